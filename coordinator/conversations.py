@@ -1,0 +1,59 @@
+"""The conversation cache: which token prefix each table holds, and which held prefix a new prompt reuses.
+
+A conversation is a table (a slot's, or a parked one) plus the tokens whose K/V sit in its cells
+`[0, len(tokens))`. A new prompt may reuse the K/V of the held conversation sharing the longest exact token
+prefix with it. The match is bound to that one conversation: only cells of the table that really holds those
+tokens are reused, and only for the prefix both share (never bytes another conversation left behind).
+At least one prompt token is always read again, because its logits are what the first sampled token needs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_clock = itertools.count(1)
+
+
+def tick() -> int:
+    """A logical clock for least-recently-used order (strictly increasing, no ties)."""
+    return next(_clock)
+
+
+@dataclass
+class Conversation:
+    table: int
+    tokens: list[int] = field(default_factory=list)
+    last_used: int = field(default_factory=tick)
+
+    def touch(self) -> None:
+        self.last_used = tick()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Match:
+    conversation: Conversation
+    reuse: int  # cells of the conversation's table reused as they are
+
+
+def best_match(prompt: list[int], conversations: list[Conversation]) -> Match | None:
+    """The held conversation sharing the longest prefix with `prompt` (ties: most recently used).
+
+    `reuse` is capped at `len(prompt) - 1` so the last prompt token is read again. A match of 0 cells is
+    no match.
+    """
+    best: Match | None = None
+    for conv in conversations:
+        n = min(common_prefix(prompt, conv.tokens), len(prompt) - 1)
+        if n <= 0:
+            continue
+        if best is None or n > best.reuse or (n == best.reuse and conv.last_used > best.conversation.last_used):
+            best = Match(conv, n)
+    return best

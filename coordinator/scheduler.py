@@ -1,0 +1,418 @@
+"""Continuous batching over `engine.parallel` slots, on the one authoritative chunk map.
+
+Each loop turn:
+  1. admit waiting requests into slots (prefix reuse from the conversation cache, table moves, the
+     prompt's cells reserved up front; refusal when the pool cannot cover it after evictions);
+  2. while fewer than S steps are in flight (S = number of stages), build a step from the slots not in
+     flight: decode slots read one token, prefilling slots a piece of their prompt (at most
+     `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long);
+  3. table ops reach every stage before the step that needs them (one ordered stream per stage).
+
+With S stages, a step carries at most ceil(active / S) slots, so up to S groups are in flight and every
+stage works at the same time.
+
+Pool full, in this order: idle held conversations give way (`pool.policy.eviction_plan`), then a new request
+is refused with `kv_pool_full`; a decoding slot that cannot grow ends with `length` and `truncated`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pool.chunk_map import ChunkMap, StaticMap
+from pool.config import Config
+from pool.logs import event
+from pool.policy import Candidate, eviction_plan
+
+from .conversations import Conversation, best_match
+from .engine import EngineError, Finished, GenRequest, TokenEvent
+from .link import StageDown, StageLink, StepFailed
+
+log = logging.getLogger("strata.scheduler")
+
+RANK_CACHED = 1  # a held or parked conversation someone may come back to
+
+
+@dataclass
+class Job:
+    """One request from admission to its end."""
+
+    req: GenRequest
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    slot: int | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + generated, all known tokens
+    fed: int = 0  # tokens whose K/V are written (cells [0, fed))
+    cached: int = 0
+    generated: int = 0
+    in_flight: bool = False
+    cancelled: bool = False
+    done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Still reading the prompt (nothing sampled yet); cells for the whole prompt are already reserved."""
+        return self.generated == 0
+
+
+class Scheduler:
+    """The Engine the HTTP front talks to; it owns the chunk map, the slots and the conversation cache."""
+
+    def __init__(self, cfg: Config, link: StageLink, model_name: str = "tiny") -> None:
+        e = cfg.engine
+        self.cfg = cfg
+        self.link = link
+        self.model_name = model_name
+        self.max_context = e.max_context
+        self.parallel = e.parallel
+        map_cls = ChunkMap if e.pool_on else StaticMap
+        self.map = map_cls(e.n_chunks, e.chunk_cells, e.table_chunks, e.parallel)
+        self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
+        self.held: dict[int, Conversation] = {}  # table -> conversation (idle slots and parked tables)
+        self.waiting: deque[Job] = deque()
+        self.in_flight = 0
+        self.step_ids = itertools.count(1)
+        self.counters = {"evictions": 0, "refusals": {}, "truncations": 0, "moves": 0}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        link.on_stage_up = self._stage_up
+        link.on_stage_down = self._stage_down
+
+    # ---- Engine protocol -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent | Finished]:
+        if not req.prompt:
+            raise EngineError.invalid("the prompt is empty")
+        if len(req.prompt) + req.max_tokens > self.max_context:
+            raise EngineError.context_length(len(req.prompt), req.max_tokens, self.max_context)
+        if not all(self.link.stages_up):
+            raise EngineError.stage_down("a stage is down; retry when /health is ok")
+        if len(self.waiting) >= self.cfg.engine.max_waiting:
+            self._refused("queue_full")
+            raise EngineError.queue_full(self.cfg.coordinator.retry_after_s)
+        job = Job(req, tokens=list(req.prompt))
+        self.waiting.append(job)
+        self._wake.set()
+        try:
+            while True:
+                item = await job.events.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            if not job.done:
+                self._cancel(job)
+
+    def live_metrics(self) -> dict:
+        running = sum(1 for j in self.jobs if j is not None)
+        slots = []
+        for s in range(self.parallel):
+            job, conv = self.jobs[s], self.held.get(s)
+            state = "busy" if job else ("held" if conv else "free")
+            tokens = job.fed if job else (len(conv.tokens) if conv else 0)
+            slots.append({"slot": s, "state": state, "cells": self.map.held_cells(s), "tokens": tokens})
+        parked = [
+            {"table": t, "cells": self.map.held_cells(t), "tokens": len(c.tokens)}
+            for t, c in self.held.items()
+            if t >= self.parallel
+        ]
+        return {
+            "running": running,
+            "waiting": len(self.waiting),
+            "kv_pool": {
+                "enabled": self.cfg.engine.pool_on,
+                "cells": self.map.total_cells,
+                "free": self.map.free_cells,
+                "chunk_cells": self.cfg.engine.chunk_cells,
+                "slots": slots,
+                "parked": parked,
+            },
+            "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
+        }
+
+    def health(self) -> dict:
+        up = list(self.link.stages_up)
+        return {
+            "status": "ok" if all(up) else "degraded",
+            "stages": [{"index": i, "up": u, "layers": list(s.layers)} for i, (u, s) in enumerate(zip(up, self.cfg.stages))],
+        }
+
+    def slots(self) -> list[dict]:
+        out = []
+        for s in range(self.parallel):
+            job, conv = self.jobs[s], self.held.get(s)
+            out.append(
+                {
+                    "id": s,
+                    "is_processing": job is not None,
+                    "n_ctx": self.max_context,
+                    "n_past": job.fed if job else (len(conv.tokens) if conv else 0),
+                    "cells": self.map.held_cells(s),
+                    "id_task": job.req.request_id if job else None,
+                }
+            )
+        return out
+
+    # ---- admission -------------------------------------------------------------------------------
+    def _refused(self, code: str) -> None:
+        self.counters["refusals"][code] = self.counters["refusals"].get(code, 0) + 1
+
+    def _idle_slot(self, exclude: int | None = None) -> int | None:
+        """A slot with no job: an empty one first, else the least recently used held one."""
+        free = [s for s in range(self.parallel) if self.jobs[s] is None and s != exclude]
+        empty = [s for s in free if s not in self.held]
+        if empty:
+            return empty[0]
+        if not free:
+            return None
+        return min(free, key=lambda s: self.held[s].last_used)
+
+    def _park(self, slot: int) -> None:
+        """Move a slot's held conversation out of the slot, keeping it (a table swap with the pool)."""
+        conv = self.held.pop(slot)
+        table = self.map.new_table()
+        if table is None:  # StaticMap: the one park region is taken; the older conversation gives way
+            for t in [t for t in self.held if t >= self.parallel]:
+                self._evict(t)
+            table = self.map.new_table()
+        if table is None:
+            self.map.release(slot)
+            return
+        self.map.swap(slot, table)
+        conv.table = table
+        self.held[table] = conv
+        self.counters["moves"] += 1
+
+    def _evict(self, table: int) -> None:
+        self.held.pop(table, None)
+        self.map.release(table)
+        if table >= self.parallel:
+            self.map.drop_table(table)
+        self.counters["evictions"] += 1
+
+    def _reserve(self, table: int, cells: int) -> bool:
+        """Back `cells` cells of `table`, evicting idle conversations if that is what it takes."""
+        if self.map.reserve(table, cells):
+            return True
+        cands = [
+            Candidate(t, RANK_CACHED, c.last_used, self.map.held_cells(t)) for t, c in self.held.items() if t != table
+        ]
+        plan = eviction_plan(self.map.free_cells, self.map.held_cells(table), cells, cands)
+        if not plan:
+            return False
+        for t in plan:
+            self._evict(t)
+            event(log, "pool.evict", table=t, cells_free=self.map.free_cells)
+        return self.map.reserve(table, cells)
+
+    def _admit(self, job: Job) -> bool:
+        """Place a waiting job in a slot. False when no slot is idle (it keeps waiting).
+
+        The slot is the matched conversation's own slot when it sits in one; otherwise an idle slot, whose held
+        conversation is parked (moved out) first. A parked match comes into the slot by a table swap, which
+        parks the slot's previous conversation in the matched table's place.
+        """
+        prompt = job.req.prompt
+        match = best_match(prompt, list(self.held.values()))
+        if match is not None and match.conversation.table < self.parallel:
+            slot = match.conversation.table
+        else:
+            slot = self._idle_slot()
+            if slot is None:
+                return False
+        reuse = 0
+        if match is not None:
+            conv, reuse = match.conversation, match.reuse
+            if conv.table != slot:  # admission of a parked conversation: a move
+                parked = conv.table
+                self.map.swap(slot, parked)
+                self.counters["moves"] += 1
+                del self.held[parked]
+                if slot in self.held:
+                    other = self.held.pop(slot)
+                    other.table = parked
+                    self.held[parked] = other
+                else:
+                    self.map.drop_table(parked)
+                conv.table = slot
+                self.held[slot] = conv
+        elif slot in self.held:
+            self._park(slot)
+        self.held.pop(slot, None)
+        self.map.shrink(slot, reuse)
+        if not self._reserve(slot, len(prompt)):
+            self.map.shrink(slot, reuse)
+            if reuse:
+                self.held[slot] = Conversation(slot, list(prompt[:reuse]))
+            self._refused("kv_pool_full")
+            event(log, "request.refused", request=job.req.request_id, code="kv_pool_full", cells=len(prompt))
+            job.done = True
+            job.events.put_nowait(
+                EngineError.kv_pool_full(len(prompt), self.map.free_cells, self.cfg.coordinator.retry_after_s)
+            )
+            return True
+        job.slot, job.fed, job.cached = slot, reuse, reuse
+        self.jobs[slot] = job
+        event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
+        return True
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def _build_step(self) -> tuple[dict, list[int], list[Job]] | None:
+        ready = [j for j in self.jobs if j is not None and not j.in_flight and not j.done]
+        if not ready:
+            return None
+        active = sum(1 for j in self.jobs if j is not None)
+        cap = max(1, math.ceil(active / len(self.cfg.stages)))
+        ready.sort(key=lambda j: (j.prefilling, j.slot))  # decoders first: they are cheap and latency-bound
+        budget = self.cfg.engine.prefill_chunk
+        slots, tokens, members, sampling = [], [], [], {}
+        for job in ready[:cap]:
+            start = job.fed
+            todo = len(job.tokens) - start
+            if job.prefilling:
+                if budget <= 0:
+                    continue
+                n = min(todo, budget)
+                budget -= n
+            else:
+                n = 1
+                if not self._reserve(job.slot, start + 1):
+                    self._finish(job, "length", truncated=True)
+                    continue
+            sample = int(start + n == len(job.tokens))
+            if start == job.cached and job.generated == 0:
+                params = dict(job.req.sampling, logprobs=job.req.logprobs)
+                if params.get("repetition_penalty", 1.0) != 1.0:
+                    params["history"] = list(job.req.prompt)
+                sampling[job.slot] = params
+            slots.append([job.slot, start, n, sample])
+            tokens.extend(job.tokens[start : start + n])
+            members.append(job)
+        if not members:
+            return None
+        header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
+        return header, tokens, members
+
+    async def _run_step(self, header: dict, tokens: list[int], members: list[Job]) -> None:
+        try:
+            result = await self.link.step(header, tokens)
+        except (StageDown, StepFailed) as err:
+            for job in members:
+                job.in_flight = False
+                self._fail(job, EngineError.stage_down(str(err)))
+            return
+        finally:
+            self.in_flight -= 1
+            self._wake.set()
+        sampled = {row[0]: row for row in result.get("tokens", [])}
+        for job, (slot, start, n, sample) in zip(members, header["slots"]):
+            job.in_flight = False
+            job.fed = start + n
+            if job.cancelled:
+                self._end(job)
+                continue
+            if not sample:
+                continue
+            _, token, logprob, top = sampled[slot]
+            job.generated += 1
+            if token in job.req.stop_token_ids:
+                self._finish(job, "stop")
+                continue
+            job.tokens.append(token)
+            job.events.put_nowait(TokenEvent(token, logprob, [tuple(t) for t in top] if top else None))
+            if job.generated >= job.req.max_tokens:
+                self._finish(job, "length")
+
+    def _finish(self, job: Job, reason: str, truncated: bool = False) -> None:
+        if truncated:
+            self.counters["truncations"] += 1
+        completion = job.generated - (1 if reason == "stop" and job.generated else 0)
+        job.events.put_nowait(Finished(reason, truncated, len(job.req.prompt), job.cached, completion))
+        event(log, "request.done", request=job.req.request_id, slot=job.slot, reason=reason, truncated=truncated,
+              cells=self.map.held_cells(job.slot), tokens=completion)
+        self._end(job)
+
+    def _fail(self, job: Job, err: EngineError) -> None:
+        if not job.done:
+            job.events.put_nowait(err)
+        self._end(job, keep=False)
+
+    def _end(self, job: Job, keep: bool = True) -> None:
+        """The job leaves its slot; the slot keeps the conversation whose K/V it holds."""
+        job.done = True
+        slot = job.slot
+        if slot is None or self.jobs[slot] is not job:
+            return
+        self.jobs[slot] = None
+        if keep and job.fed > 0:
+            self.map.shrink(slot, job.fed)
+            self.held[slot] = Conversation(slot, job.tokens[: job.fed])
+        else:
+            self.map.release(slot)
+        self._wake.set()
+
+    def _cancel(self, job: Job) -> None:
+        job.cancelled = True
+        if job in self.waiting:
+            self.waiting.remove(job)
+            job.done = True
+        elif not job.in_flight:
+            self._end(job)
+        self._wake.set()
+
+    # ---- stages coming and going -----------------------------------------------------------------
+    def _stage_down(self, index: int, reason: str) -> None:
+        """K/V on a lost stage cannot be trusted: running jobs fail, held conversations are dropped."""
+        err = EngineError.stage_down(f"stage {index} is down: {reason}")
+        for job in [j for j in self.jobs if j is not None]:
+            self._fail(job, err)
+        for job in list(self.waiting):
+            job.done = True
+            job.events.put_nowait(err)
+        self.waiting.clear()
+        for table in list(self.held):
+            self._evict(table)
+
+    def _stage_up(self, index: int) -> None:
+        self.link.send_ops(self.map.snapshot_ops(), stage=index, snapshot=True)
+        self._wake.set()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        n_stages = len(self.cfg.stages)
+        while True:
+            self._wake.clear()
+            while self.waiting and all(self.link.stages_up) and self._admit(self.waiting[0]):
+                self.waiting.popleft()
+            while self.in_flight < n_stages and all(self.link.stages_up):
+                built = self._build_step()
+                ops = self.map.drain_ops()
+                if ops:
+                    self.link.send_ops(ops)
+                if built is None:
+                    break
+                header, tokens, members = built
+                for job in members:
+                    job.in_flight = True
+                self.in_flight += 1
+                asyncio.create_task(self._run_step(header, tokens, members))
+            ops = self.map.drain_ops()
+            if ops:
+                self.link.send_ops(ops)
+            await self._wake.wait()
