@@ -1,0 +1,54 @@
+"""Which held conversations give their chunks back when a reserve would fail (a pure function, no state).
+
+Rules of `eviction_plan(free_cells, own_cells, want_cells, candidates)`:
+ 1. need = want_cells - own_cells - free_cells: the cells the pool lacks for a table that already holds
+    `own_cells` and wants `want_cells`. need <= 0 -> [] (nothing to evict; the reserve fits as is).
+ 2. Victims are taken in this order: rank ascending (0 = nothing worth keeping, 1 = a cached or parked
+    conversation; higher ranks are kept longer still), then least recently used first (smaller `last_used`),
+    then the lower id, so equal candidates always give the same plan.
+ 3. Victims are taken in that order until their cells together cover need; the plan is that prefix, in
+    order. It is not the smallest set that would cover need: evicting strictly by the order keeps the
+    conversations most likely to be reused, and keeps the outcome easy to predict and test.
+ 4. A candidate holding no cells is never a victim: evicting it frees nothing.
+ 5. If all candidates together do not cover need, the plan is None: evict nobody (a refusal that keeps
+    every conversation beats one that throws some away and still refuses).
+
+All quantities are in cells. The caller passes them in the pool's unit (whole chunks times chunk_cells:
+`ChunkMap.free_cells`, `held_cells`, and want rounded up to a chunk) so that "covered" here means the reserve
+will succeed; `Candidate.cells` is what evicting it gives back. The caller must not list the requesting table
+itself among the candidates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A conversation that could give its chunks back: its table id, rank, last use (any monotonic clock,
+    e.g. a step counter) and the cells it holds."""
+
+    id: int
+    rank: int
+    last_used: float
+    cells: int
+
+
+def eviction_plan(
+    free_cells: int, own_cells: int, want_cells: int, candidates: Iterable[Candidate]
+) -> list[int] | None:
+    """Ids to evict, in order, so that a table holding `own_cells` can reach `want_cells`; [] when nothing
+    needs evicting, None when even evicting every candidate would not be enough (rules in the module doc)."""
+    need = want_cells - own_cells - free_cells
+    if need <= 0:
+        return []
+    plan: list[int] = []
+    for c in sorted(candidates, key=lambda c: (c.rank, c.last_used, c.id)):
+        if c.cells <= 0:
+            continue
+        plan.append(c.id)
+        need -= c.cells
+        if need <= 0:
+            return plan
+    return None
