@@ -1,0 +1,449 @@
+"""Random-weight checkpoints in exactly the Hugging Face layout, with a real tokenizer: the "tiny" model.
+
+`make_tiny_model` writes what a Hub download of a Llama / Mistral / Qwen2 / Qwen3 checkpoint holds:
+`config.json`, `generation_config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json` with a ChatML chat template.
+It needs torch, safetensors and tokenizers only: transformers is a test dependency, and the embedded
+default (`model: tiny`) must build on a box without it.
+
+Rules:
+- Deterministic: the same arguments give byte-identical files (weights come from one
+  `torch.Generator(seed)` in a fixed tensor order; the tokenizer is trained on `CORPUS`, which is part of
+  the format).
+- Weights: linears, biases and embeddings ~ N(0, WEIGHT_STD^2) with WEIGHT_STD = 0.1, larger than the
+  usual 0.02 so that logits are far from flat (greedy decoding then has few near-ties, which makes
+  comparisons between implementations meaningful). RMSNorm weights are 1 + N(0, NORM_JITTER^2), so a
+  norm applied wrongly changes the output.
+- Tokenizer: byte-level BPE trained to TOKENIZER_VOCAB - 3 tokens, then the three special tokens
+  `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` appended (the last ids, as in Qwen). No normalizer, so
+  decode(encode(text)) == text for any text. Nothing is added around an encoded text (no BOS).
+- `vocab` larger than the tokenizer pads the embedding (as real checkpoints do); smaller is refused.
+- `tie_embeddings=None` follows the arch's small public checkpoints: tied for qwen2/qwen3 (no
+  `lm_head.weight` in the files), untied for llama/mistral.
+
+`ensure_tiny("tiny")` builds the embedded default (DEFAULT_SPEC) once into `tiny_cache_dir()` and reuses
+it; the cache key covers the spec and this file's source, so a changed format never serves a stale build.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# torch and safetensors are imported where weights are made, so that `--describe` and a cache hit in
+# ensure_tiny stay cheap.
+
+WEIGHT_STD = 0.1
+NORM_JITTER = 0.1
+TOKENIZER_VOCAB = 512
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
+
+# qkv_bias: q/k/v projections carry a bias (Qwen2). qk_norm: per-head RMSNorm on q and k (Qwen3).
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"cls": "LlamaForCausalLM", "rope_theta": 1e4, "qkv_bias": False, "qk_norm": False, "tie": False},
+    "mistral": {"cls": "MistralForCausalLM", "rope_theta": 1e4, "qkv_bias": False, "qk_norm": False, "tie": False},
+    "qwen2": {"cls": "Qwen2ForCausalLM", "rope_theta": 1e6, "qkv_bias": True, "qk_norm": False, "tie": True},
+    "qwen3": {"cls": "Qwen3ForCausalLM", "rope_theta": 1e6, "qkv_bias": False, "qk_norm": True, "tie": True},
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The embedded default, `model: tiny` in a config.
+DEFAULT_SPEC: dict[str, Any] = {
+    "arch": "qwen3", "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "seed": 0, "dtype": "float32",
+}
+
+# ChatML, as Qwen writes it: a system message is just the first message with role "system".
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
+    "{{- raise_exception('Unknown role: ' + message['role']) }}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] | default('', true)) + "
+    "'<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+# The tokenizer's training text: part of the format (see the module docstring).
+CORPUS: tuple[str, ...] = (
+    """The river ran low that summer, and the children of the village walked along its stony bed
+looking for things the water had kept. They found a green bottle, a key with no door, and a wheel
+from a cart that nobody remembered. Each evening they brought their finds to the old mill and laid
+them out on the long table, and the miller, who said very little, wrote every one of them into a
+book with a brown cover.""",
+    """A server that answers many people at once must decide, many times a second, whose words to
+read next. It keeps a small number of lanes open; when a lane becomes free, the next request in the
+queue takes it. Memory is the scarce thing: every token a conversation has seen leaves a trace that
+must be kept until the conversation ends, and the traces of long conversations are large.""",
+    """Good tests are small and honest. They build the smallest world in which a rule can break,
+break it on purpose, and check that the program notices. A test that cannot fail tells you nothing;
+a test that fails for the wrong reason tells you something false. Write the expected numbers down,
+exactly, and let the machine compare them.""",
+    """def chunks_needed(cells: int, chunk_cells: int) -> int:
+    \"\"\"Return how many chunks hold `cells` cells.\"\"\"
+    return (cells + chunk_cells - 1) // chunk_cells
+
+
+class FreeList:
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))
+
+    def take(self) -> int | None:
+        return self.free.pop(0) if self.free else None
+
+for i in range(10):
+    print(f"step {i}: {chunks_needed(i * 100, 64)} chunks")
+""",
+    """#include <stdio.h>
+static int sum(const int *xs, size_t n) {
+    int total = 0;
+    for (size_t i = 0; i < n; ++i) total += xs[i];
+    return total;
+}
+int main(void) { int v[4] = {1, 2, 3, 4}; printf("%d\\n", sum(v, 4)); return 0; }
+""",
+    """{"model": "tiny", "messages": [{"role": "system", "content": "You are helpful."},
+{"role": "user", "content": "What is the capital of France?"}], "stream": true}
+SELECT name, count(*) FROM requests WHERE status = 'done' GROUP BY name LIMIT 10;
+$ git commit -m "Fix the off-by-one in shrink" && git push origin main""",
+    """Café au lait, crème brûlée, naïve façade, über, Straße, mañana, smörgåsbord, jalapeño.
+Tokyo is 東京 and Kyoto is 京都; 日本語の文章も少し入れておく。 Москва и Санкт-Петербург.
+Ελληνικά γράμματα: α β γ δ. Emoji: 🙂 🚀 ✨ — and a few symbols: € £ ¥ © ° ± × ÷ → ≤ ≥.""",
+    """Questions and answers. Q: How many legs does a spider have? A: Eight. Q: What colour is the
+sky on a clear day? A: Blue. Q: Which number comes after forty-one? A: Forty-two. Q: Who wrote the
+letter? A: Nobody knows; it was signed only with a drawing of a small boat.""",
+)
+
+
+def build_tokenizer() -> "tokenizers.Tokenizer":  # noqa: F821 (imported lazily)
+    """Train the tiny byte-level BPE tokenizer on CORPUS; same result every time."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if tok.get_vocab_size() != TOKENIZER_VOCAB:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, expected {TOKENIZER_VOCAB}")
+    return tok
+
+
+def special_ids() -> dict[str, int]:
+    """Ids of the special tokens: appended after the trained vocabulary, in SPECIAL_TOKENS order."""
+    first = TOKENIZER_VOCAB - len(SPECIAL_TOKENS)
+    return {t: first + i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                intermediate: int | None = None, vocab: int | None = None, dtype: str = "float32",
+                rope_scaling: dict | None = None, max_position: int = 32768,
+                tie_embeddings: bool | None = None) -> dict[str, Any]:
+    """The `config.json` of a tiny checkpoint (pure: no weights, no tokenizer training).
+
+    intermediate defaults to 3 * hidden; head_dim is hidden // heads for every arch.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if min(layers, hidden, heads, kv_heads) < 1 or hidden % heads or heads % kv_heads:
+        raise ValueError(f"bad geometry: hidden={hidden} heads={heads} kv_heads={kv_heads} layers={layers}"
+                         " (hidden must divide by heads, heads by kv_heads)")
+    if (hidden // heads) % 2:
+        raise ValueError(f"head_dim {hidden // heads} must be even (rotary embedding)")
+    vocab = TOKENIZER_VOCAB if vocab is None else vocab
+    if vocab < TOKENIZER_VOCAB:
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer ({TOKENIZER_VOCAB} tokens)")
+    a = ARCHS[arch]
+    ids = special_ids()
+    cfg: dict[str, Any] = {
+        "architectures": [a["cls"]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate or 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "vocab_size": vocab,
+        "max_position_embeddings": max_position,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": a["rope_theta"],
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": a["tie"] if tie_embeddings is None else bool(tie_embeddings),
+        "torch_dtype": dtype,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "attention_bias": a["qkv_bias"],
+        "attention_dropout": 0.0,
+        "initializer_range": WEIGHT_STD,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        cfg.update(mlp_bias=False, pretraining_tp=1)
+    if arch == "mistral":
+        cfg.update(sliding_window=None)
+    if arch in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    return cfg
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint in the fixed generation order (HF names)."""
+    h, hd, inter, vocab = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    a = ARCHS[cfg["model_type"]]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (h,)))
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((p + f"self_attn.{name}.weight", (rows, h)))
+            if a["qkv_bias"]:
+                out.append((p + f"self_attn.{name}.bias", (rows,)))
+        if a["qk_norm"]:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out.append((p + "self_attn.o_proj.weight", (h, q)))
+        out.append((p + "post_attention_layernorm.weight", (h,)))
+        out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter))]
+    out.append(("model.norm.weight", (h,)))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (vocab, h)))
+    return out
+
+
+def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """Seeded random weights in `tensor_shapes` order, cast to the config's dtype."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg["torch_dtype"])
+    weights = {}
+    for name, shape in tensor_shapes(cfg):
+        t = torch.randn(shape, generator=g, dtype=torch.float32)
+        t = 1.0 + NORM_JITTER * t if name.endswith("norm.weight") else WEIGHT_STD * t
+        weights[name] = t.to(dtype).contiguous()
+    return weights
+
+
+def _shard_plan(sizes: list[int], shards: int) -> list[int]:
+    """Shard index per tensor: contiguous, balanced by bytes, every shard non-empty."""
+    n, total, cum, prev, plan = len(sizes), sum(sizes), 0, -1, []
+    if not 1 <= shards <= n:
+        raise ValueError(f"shards must be between 1 and the number of tensors ({n}), got {shards}")
+    for i, size in enumerate(sizes):
+        want = cum * shards // total
+        s = min(max(want, prev, shards - (n - i)), prev + 1, shards - 1)
+        plan.append(s)
+        prev, cum = s, cum + size
+    return plan
+
+
+def _write_weights(out: Path, weights: dict[str, "torch.Tensor"], shards: int) -> None:  # noqa: F821
+    from safetensors.torch import save_file
+
+    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    names = list(weights)
+    if shards == 1:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600
+        return
+    sizes = [weights[k].numel() * weights[k].element_size() for k in names]
+    plan = _shard_plan(sizes, shards)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k, p in zip(names, plan) if p == s}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o644)
+        weight_map.update({k: fname for k in part})
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _tokenizer_config(max_position: int) -> dict[str, Any]:
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for t, i in special_ids().items()}
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)],
+        "bos_token": BOS_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "errors": "replace",
+        "model_max_length": max_position,
+        "pad_token": PAD_TOKEN,
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_tiny_model(dir: str | os.PathLike, arch: str = "qwen3", layers: int = 4, hidden: int = 64,
+                    heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
+                    vocab: int | None = None, seed: int = 0, dtype: str = "float32", shards: int = 1,
+                    rope_scaling: dict | None = None, max_position: int = 32768,
+                    tie_embeddings: bool | None = None) -> Path:
+    """Write a random-weight checkpoint + tokenizer into `dir` (created; old weight files replaced)."""
+    cfg = tiny_config(arch, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, rope_scaling,
+                      max_position, tie_embeddings)
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    _write_weights(out, make_weights(cfg, seed), shards)
+    _write_json(out / "config.json", cfg)
+    ids = special_ids()
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[EOS_TOKEN], ids["<|endoftext|>"]],
+        "pad_token_id": ids[PAD_TOKEN]})
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(max_position))
+    return out
+
+
+def tiny_cache_dir() -> Path:
+    """Where built tiny checkpoints live: `$STRATA_CACHE`, else ~/.cache/strata."""
+    env = os.environ.get("STRATA_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "strata"
+
+
+_SPEC_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seed", "dtype",
+              "shards", "rope_scaling", "max_position", "tie_embeddings")
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def resolve_spec(name_or_spec: str | dict[str, Any]) -> dict[str, Any]:
+    """Turn a model name or spec into `make_tiny_model` keyword arguments.
+
+    "tiny" is DEFAULT_SPEC; "tiny:arch=llama,layers=2" is DEFAULT_SPEC with those changes; a dict is
+    keyword arguments for make_tiny_model as they stand (its defaults fill the rest). Unknown keys are
+    refused.
+    """
+    if isinstance(name_or_spec, str):
+        name, _, rest = name_or_spec.partition(":")
+        if name != "tiny":
+            raise ValueError(f"not a tiny model name: {name_or_spec!r} (expected 'tiny' or 'tiny:key=value,...')")
+        spec = dict(DEFAULT_SPEC)
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"bad tiny spec item {item!r} in {name_or_spec!r} (expected key=value)")
+            spec[key.strip()] = _parse_value(value.strip())
+    else:
+        spec = dict(name_or_spec)
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"unknown tiny spec keys {unknown}; known: {', '.join(_SPEC_KEYS)}")
+    return spec
+
+
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def ensure_tiny(name_or_spec: str | dict[str, Any] = "tiny", cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build the named tiny checkpoint once into the cache and return its directory.
+
+    Atomic: it is built in a temporary directory beside the final one and renamed into place, so a
+    directory under its final name is always complete. Processes racing on the same spec each build,
+    one rename wins and the others discard their copy (the builds are byte-identical anyway).
+    """
+    spec = resolve_spec(name_or_spec)
+    key = hashlib.sha256((json.dumps(spec, sort_keys=True) + _SOURCE_DIGEST).encode()).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir is not None else tiny_cache_dir()
+    final = root / f"tiny-{spec.get('arch', 'qwen3')}-{key}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is read by every process of the box
+    try:
+        make_tiny_model(tmp, **spec)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m stages.tiny DIR [options]`; `--describe` prints config.json without building."""
+    p = argparse.ArgumentParser(prog="python -m stages.tiny", description=__doc__.splitlines()[0])
+    p.add_argument("dir", nargs="?", help="output directory (not needed with --describe)")
+    p.add_argument("--arch", default="qwen3", choices=list(ARCHS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--max-position", type=int, default=32768)
+    p.add_argument("--rope-scaling", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
+    p.add_argument("--tie-embeddings", choices=["auto", "yes", "no"], default="auto")
+    p.add_argument("--describe", nargs="?", const="", metavar="SPEC",
+                   help="print the config.json of SPEC ('tiny', 'tiny:k=v,...'; empty: the other options)")
+    a = p.parse_args(argv)
+    tie = {"auto": None, "yes": True, "no": False}[a.tie_embeddings]
+    kwargs = dict(arch=a.arch, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                  intermediate=a.intermediate, vocab=a.vocab, dtype=a.dtype, rope_scaling=a.rope_scaling,
+                  max_position=a.max_position, tie_embeddings=tie)
+    if a.describe is not None:
+        if a.describe:
+            kwargs = {k: v for k, v in resolve_spec(a.describe).items() if k not in ("seed", "shards")}
+        print(json.dumps(tiny_config(**kwargs), indent=2, sort_keys=True))
+        return 0
+    if not a.dir:
+        p.error("DIR is required unless --describe is given")
+    out = make_tiny_model(a.dir, seed=a.seed, shards=a.shards, **kwargs)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
