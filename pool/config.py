@@ -2,22 +2,42 @@
 
 The coordinator and every stage build it from the same file; the stage reports `fingerprint()` in its
 HELLO and the coordinator refuses a stage whose fingerprint differs. Validation happens here, before any
-process starts, with messages that name the key.
+process starts, with messages that name the key (`engine.prefill_chunk=8192 is larger than ...`).
+
+Decisions pinned by tests/pool/test_config.py:
+- Unknown keys are refused (with the closest known key as a hint); so are duplicate keys in the YAML,
+  which PyYAML would otherwise resolve silently to the last one.
+- `kv_pool_tokens` that is not a multiple of `chunk_cells` is rounded UP to whole chunks (`n_chunks` is a
+  ceiling) and `Config.notes()` says so: the pool never holds fewer cells than asked for.
+- Every address a stage binds (its `endpoint`, and the `data` endpoint of every stage after the first,
+  the only ones that receive hidden states) must be distinct, and a tcp one must not be the coordinator's
+  HTTP port on the same host.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Unix socket paths (ipc://) are limited by sockaddr_un.sun_path: 108 bytes including the final NUL.
+MAX_IPC_PATH = 107
+_WILDCARD_HOSTS = {"0.0.0.0", "*", "::", "[::]", ""}
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
 
 class ConfigError(ValueError):
-    """A config that cannot be served; the message names the key."""
+    """A config that cannot be served; the message names the key (also in `.key` when there is one)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class _Strict(BaseModel):
@@ -25,14 +45,30 @@ class _Strict(BaseModel):
 
 
 class CoordinatorConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(8080, ge=0, le=65535)  # 0 = let the OS pick a free port (tests)
     api_key: str | None = None
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     # A stage that has not answered a ping for this long is down (issue: detected within 2 s).
     heartbeat_ms: int = Field(250, ge=10)
     stage_timeout_ms: int = Field(1500, ge=50)
     retry_after_s: int = Field(10, ge=1)
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("an empty api_key would accept any client; use null to turn the check off")
+        return v
+
+    @model_validator(mode="after")
+    def _heartbeat(self) -> "CoordinatorConfig":
+        if self.heartbeat_ms >= self.stage_timeout_ms:
+            raise ValueError(
+                f"coordinator.heartbeat_ms={self.heartbeat_ms} must be smaller than coordinator.stage_timeout_ms="
+                f"{self.stage_timeout_ms}: a stage would be declared down between two pings"
+            )
+        return self
 
 
 class EngineConfig(_Strict):
@@ -60,8 +96,8 @@ class EngineConfig(_Strict):
     def n_chunks(self) -> int:
         """Usable chunks per stage (the trash chunk, number `n_chunks`, comes on top).
 
-        Pool on: ceil(kv_pool_tokens / chunk_cells). Pool off (the baseline): `parallel + 1` fixed
-        full-context regions, one per slot plus one for a parked conversation.
+        Pool on: ceil(kv_pool_tokens / chunk_cells) (rounded up, see `Config.notes`). Pool off (the
+        baseline): `parallel + 1` fixed full-context regions, one per slot plus one for a parked conversation.
         """
         if self.pool_on:
             return math.ceil(self.kv_pool_tokens / self.chunk_cells)
@@ -75,7 +111,38 @@ class EngineConfig(_Strict):
                 f"{self.max_context} (in chunks of engine.chunk_cells={self.chunk_cells}: "
                 f"{self.n_chunks} < {self.table_chunks}); a single conversation could never reach max_context"
             )
+        if self.prefill_chunk > self.max_context:
+            raise ValueError(
+                f"engine.prefill_chunk={self.prefill_chunk} is larger than engine.max_context={self.max_context}: "
+                f"no prompt can be that long"
+            )
         return self
+
+
+def _check_endpoint(v: str) -> str:
+    """`ipc:///path` (path at most MAX_IPC_PATH bytes) or `tcp://host:port` (port 1..65535)."""
+    if v.startswith("ipc://"):
+        path = v[len("ipc://"):]
+        if not path:
+            raise ValueError(f"{v!r}: ipc:// needs a socket path, e.g. ipc:///tmp/strata-stage-0")
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"{v!r}: ipc path is {len(path.encode())} bytes, unix sockets allow {MAX_IPC_PATH}")
+        return v
+    if v.startswith("tcp://"):
+        host, sep, port = v[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{v!r}: expected tcp://host:port")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"{v!r}: port {int(port)} is out of range 1..65535")
+        return v
+    raise ValueError(f"{v!r}: use ipc:///path (same host) or tcp://host:port (any host)")
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, int] | None:
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return host, int(port)
 
 
 class StageConfig(_Strict):
@@ -91,12 +158,21 @@ class StageConfig(_Strict):
             raise ValueError(f"layer range [{v[0]}, {v[1]}) is empty or negative")
         return v
 
-    @field_validator("device")
+    @field_validator("device", mode="before")
     @classmethod
-    def _device(cls, v: str) -> str:
-        if v != "cpu" and not v.startswith("cuda") and not v.isdigit():
+    def _device(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)  # `device: 0` in YAML reads as an int
+        if not isinstance(v, str):
+            return v
+        if v != "cpu" and not v.isdigit() and not (v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
             raise ValueError(f"device {v!r}: use 'cpu', a CUDA index like 0, or 'cuda:N'")
         return f"cuda:{v}" if v.isdigit() else v
+
+    @field_validator("endpoint", "data_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else _check_endpoint(v)
 
     @property
     def data(self) -> str:
@@ -117,7 +193,7 @@ def _default_stages() -> list[StageConfig]:
 
 
 class Config(_Strict):
-    model: str = "tiny"
+    model: str = Field("tiny", min_length=1)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     stages: list[StageConfig] = Field(default_factory=_default_stages)
@@ -126,31 +202,80 @@ class Config(_Strict):
     def _stages_chain(self) -> "Config":
         if not self.stages:
             raise ValueError("stages: at least one stage is needed")
-        ranges = sorted(s.layers for s in self.stages)
-        if ranges != [s.layers for s in self.stages]:
-            raise ValueError("stages: list the stages in layer order")
+        ranges = [s.layers for s in self.stages]
+        for i, ((a0, a1), (b0, b1)) in enumerate(zip(ranges, ranges[1:])):
+            if b0 < a0:
+                raise ValueError(
+                    f"stages.{i + 1}.layers=[{b0}, {b1}) starts before stages.{i}.layers=[{a0}, {a1}): "
+                    f"list the stages in layer order"
+                )
         if ranges[0][0] != 0:
-            raise ValueError(f"stages: layers 0..{ranges[0][0]} are not served by any stage")
-        for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
+            raise ValueError(f"stages.0.layers: {_span(0, ranges[0][0])} not served by any stage")
+        for i, ((a0, a1), (b0, b1)) in enumerate(zip(ranges, ranges[1:])):
             if b0 < a1:
-                raise ValueError(f"stages: layer ranges [{a0}, {a1}) and [{b0}, {b1}) overlap")
+                raise ValueError(
+                    f"stages.{i}.layers=[{a0}, {a1}) and stages.{i + 1}.layers=[{b0}, {b1}) overlap "
+                    f"({_span(b0, min(a1, b1))} served twice)"
+                )
             if b0 > a1:
-                raise ValueError(f"stages: layers {a1}..{b0} are not served by any stage")
-        endpoints = [s.endpoint for s in self.stages]
-        if len(set(endpoints)) != len(endpoints):
-            raise ValueError("stages: two stages share an endpoint")
+                raise ValueError(f"stages.{i + 1}.layers: {_span(a1, b0)} not served by any stage")
+        self._check_addresses()
         return self
+
+    def _check_addresses(self) -> None:
+        bound: dict[str, str] = {}  # address -> the key that binds it
+        for i, s in enumerate(self.stages):
+            keys = [(f"stages.{i}.endpoint", s.endpoint)]
+            if i > 0:  # only stages after the first receive hidden states
+                data_key = f"stages.{i}.data_endpoint" if s.data_endpoint else f"stages.{i}.data (derived from the endpoint)"
+                keys.append((data_key, s.data))
+            for key, addr in keys:
+                try:
+                    _check_endpoint(addr)  # a derived data endpoint can overflow the port or the ipc path
+                except ValueError as err:
+                    raise ValueError(f"{key}: {err}; set stages.{i}.data_endpoint") from None
+                hp = _tcp_host_port(addr)
+                if addr in bound:
+                    raise ValueError(f"{key}: {addr} is already bound by {bound[addr]}")
+                bound[addr] = key
+                c = self.coordinator
+                if hp is not None and hp[1] == c.port and _same_host(hp[0], c.host):
+                    raise ValueError(f"{key}: {addr} is the coordinator's HTTP port (coordinator.port={c.port})")
 
     @property
     def num_layers(self) -> int:
         return self.stages[-1].layers[1]
 
     def check_layers(self, num_hidden_layers: int) -> None:
-        """The stages must cover the checkpoint's layers exactly once."""
-        if self.num_layers != num_hidden_layers:
+        """The stages must cover the checkpoint's layers exactly once (the chain is checked on load)."""
+        n, key = self.num_layers, f"stages.{len(self.stages) - 1}.layers"
+        if n != num_hidden_layers:
+            what = (f"{_span(num_hidden_layers, n)} not in the model" if n > num_hidden_layers
+                    else f"{_span(n, num_hidden_layers)} not served by any stage")
             raise ConfigError(
-                f"stages: cover layers [0, {self.num_layers}) but the model has {num_hidden_layers} layers"
+                f"{key}: the stages cover layers [0, {n}) but the model has {num_hidden_layers} layers: {what}", key=key
             )
+
+    def notes(self) -> list[str]:
+        """Remarks that do not stop the config: rounding and choices worth a second look."""
+        e, out = self.engine, []
+        if e.pool_on and e.kv_pool_tokens % e.chunk_cells:
+            out.append(
+                f"engine.kv_pool_tokens={e.kv_pool_tokens} is not a multiple of engine.chunk_cells={e.chunk_cells}: "
+                f"rounded up to {e.n_chunks} chunks = {e.n_chunks * e.chunk_cells} cells"
+            )
+        if e.pool_on and e.n_chunks >= (e.parallel + 1) * e.table_chunks:
+            out.append(
+                f"engine.kv_pool_tokens={e.kv_pool_tokens} is no smaller than (parallel + 1) x max_context: "
+                f"the pool saves no memory over the baseline"
+            )
+        if e.chunk_cells > e.max_context:
+            out.append(f"engine.chunk_cells={e.chunk_cells} exceeds engine.max_context={e.max_context}: "
+                       f"each table holds one partly used chunk")
+        devices = [s.device for s in self.stages if s.device != "cpu"]
+        for d in sorted({d for d in devices if devices.count(d) > 1}):
+            out.append(f"stages: several stages on {d} share its memory")
+        return out
 
     def fingerprint(self) -> str:
         """Hash of everything both sides must agree on (not the HTTP front's settings)."""
@@ -158,60 +283,154 @@ class Config(_Strict):
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _span(first: int, end: int) -> str:
+    """Layers [first, end) in words: "layer 3 is" / "layers 3..5 are"."""
+    return f"layer {first} is" if end - first == 1 else f"layers {first}..{end - 1} are"
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
+        return True
+    return a in _LOOPBACK_HOSTS and b in _LOOPBACK_HOSTS
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {"coordinator": CoordinatorConfig, "engine": EngineConfig, "stages": StageConfig}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last one silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
 def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError:
+        return text  # not YAML (e.g. an unbalanced bracket): keep the text, validation names the key
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """`a.b=value` sets data["a"]["b"]; the value is read as YAML (numbers, null, lists)."""
+    """`a.b=value` sets data["a"]["b"]; `stages.1.device=cuda:1` indexes a list; the value is read as YAML.
+
+    Numbers, `null`, `true` and flow lists (`stages.0.layers=[0,24]`) come out typed; everything else is a
+    string. Missing sections are created; a list index must exist. `data` is changed in place and returned.
+    """
     for item in overrides:
-        if "=" not in item:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. engine.kv_pool_tokens=8192")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = data
-        for part in parts[:-1]:
-            if part.isdigit() and isinstance(node, list):
-                node = node[int(part)]
-                continue
-            node = node.setdefault(part, {})
-            if not isinstance(node, (dict, list)):
-                raise ConfigError(f"--set {key}: {part} is not a section")
-        last = parts[-1]
-        if last.isdigit() and isinstance(node, list):
-            node[int(last)] = _parse_value(value)
-        else:
-            node[last] = _parse_value(value)
+        parts = key.split(".")
+        if any(not p for p in parts):
+            raise ConfigError(f"--set {key}: empty part in the key", key=key)
+        node: Any = data
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[:depth]) or "the top level"
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"--set {key}: {where} has {len(node)} entries, no index {part!r}", key=key)
+                index: int | str = int(part)
+            elif isinstance(node, dict):
+                index = part
+            else:
+                raise ConfigError(f"--set {key}: {where} is a value ({node!r}), not a section", key=key)
+            if depth == len(parts) - 1:
+                node[index] = _parse_value(value)
+            else:
+                node = node.setdefault(index, {}) if isinstance(node, dict) else node[index]
     return data
 
 
-def _format_errors(err: ValidationError) -> str:
-    lines = []
+_KEY_AT_START = re.compile(r"([a-z_]+(?:\.[a-z0-9_]+)*)")
+
+
+def _suggest(loc: tuple, name: str) -> str:
+    section = _SECTIONS.get(str(loc[0])) if len(loc) > 1 else Config
+    if section is None:
+        return ""
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _format_errors(err: ValidationError) -> tuple[str, str | None]:
+    """One clause per error, each naming its key; also the first key, for ConfigError.key."""
+    lines, keys = [], []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"]
+        loc, msg = ".".join(str(p) for p in e["loc"]), e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _suggest(e["loc"], str(e["loc"][-1]))
+        elif e["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            named = _KEY_AT_START.match(msg)
+            if named and named.group(1).split(".")[0] in Config.model_fields:
+                loc = named.group(1)  # a check across keys: its message starts with the key it blames
+                lines.append(msg)
+                keys.append(loc)
+                continue
+        elif e["type"] != "missing" and isinstance(e.get("input"), (str, int, float, bool, type(None))):
+            msg += f" (got {e['input']!r})"
         lines.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(lines)
+        keys.append(loc)
+    return "; ".join(lines), next((k for k in keys if k), None)
 
 
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
-    data = apply_overrides(json.loads(json.dumps(data)), overrides or [])
+    """Validate a plain dict (as read from YAML) after applying `--set` overrides; ConfigError names the key."""
+    data = json.loads(json.dumps(data))
+    overrides = overrides or []
+    if "stages" not in data and any(o.startswith("stages.") for o in overrides):
+        # `--set stages.1.device=cuda:1` on a file without stages: override the default stages.
+        data["stages"] = [s.model_dump(mode="json", exclude_none=True) for s in _default_stages()]
+    data = apply_overrides(data, overrides)
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"config: {_format_errors(err)}") from None
+        message, key = _format_errors(err)
+        raise ConfigError(f"config: {message}", key=key) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The YAML mapping in `path`; ConfigError for a missing file, bad YAML, duplicate keys or a non-mapping."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping (model:, coordinator:, engine:, stages:)")
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+    """Read `path` (None = all defaults), apply `--set` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
     return config_from_dict(data, overrides)
+
+
+def default_config_path() -> Path:
+    """configs/cpu-tiny.yaml of the source tree: the embedded default box (two CPU stages, pool on)."""
+    return Path(__file__).resolve().parent.parent / "configs" / "cpu-tiny.yaml"
