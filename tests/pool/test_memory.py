@@ -90,17 +90,17 @@ def test_scale_arrays_only_for_int8() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(n_layers=1, n_chunks=2, chunk_cells=4, kv_heads=1, head_dim=2, kv_dtype="int8"), "k array of a layer is 24"),
-        (dict(n_layers=1, n_chunks=2, chunk_cells=4, kv_heads=1, head_dim=16, kv_dtype="int8"), "k_scale array of a layer is 48"),
-        (dict(n_layers=1, n_chunks=2, chunk_cells=16, kv_heads=1, head_dim=8, kv_dtype="float64"), "kv_dtype 'float64'"),
-        (dict(n_layers=0, n_chunks=2, chunk_cells=16, kv_heads=1, head_dim=8, kv_dtype="float32"), "n_layers must be"),
+    "args, message",
+    [  # (n_layers, n_chunks, chunk_cells, kv_heads, head_dim, kv_dtype)
+        ((1, 2, 4, 1, 2, "int8"), "k array of a layer is 24"),
+        ((1, 2, 4, 1, 16, "int8"), "k_scale array of a layer is 48"),
+        ((1, 2, 16, 1, 8, "float64"), "kv_dtype 'float64'"),
+        ((0, 2, 16, 1, 8, "float32"), "n_layers must be"),
     ],
 )
-def test_bad_layouts_refused(kwargs: dict, message: str) -> None:
+def test_bad_layouts_refused(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PoolLayout(**kwargs)
+        PoolLayout(*args)
 
 
 # --- one file, two processes ------------------------------------------------------------------------------
@@ -190,7 +190,8 @@ BASE = PoolLayout(n_layers=2, n_chunks=6, chunk_cells=16, kv_heads=2, head_dim=8
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n_layers", 3), ("n_chunks", 7), ("chunk_cells", 32), ("kv_heads", 4), ("head_dim", 16), ("kv_dtype", "bfloat16")],
+    [("n_layers", 3), ("n_chunks", 7), ("chunk_cells", 32), ("kv_heads", 4), ("head_dim", 16),
+     ("kv_dtype", "bfloat16")],
 )
 def test_attach_refuses_other_layout_naming_the_field(field: str, value: object, pool_path: Path) -> None:
     PoolMemory.create(pool_path, BASE).close()
