@@ -1,0 +1,232 @@
+"""A Hugging Face checkpoint directory, read lazily: config, safetensors headers, and only the tensors asked for.
+
+A stage holds a layer range, so it must never read the whole checkpoint: `Checkpoint.tensors(names)` opens the
+safetensors files with `safe_open` and reads only the named tensors. Two layouts are accepted, as written by
+`save_pretrained`: a single `model.safetensors`, or shards listed by `model.safetensors.index.json`.
+
+The fingerprint is what stages compare in the handshake ("do we serve the same checkpoint?"). Hashing every
+byte of a 30 GiB checkpoint at each start would take minutes, so it covers `config.json`, every tensor's header
+entry (name, dtype, shape, byte offsets) and a sample of each tensor's data (its first 64 bytes): two random
+checkpoints of the same shape differ, and reading it costs one small read per tensor.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FINGERPRINT_SAMPLE_BYTES = 64
+# Loads smaller than this stay silent (tiny test models); larger ones report progress on stderr.
+PROGRESS_MIN_BYTES = 256 * 1024**2
+PROGRESS_EVERY_S = 0.5
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served; the message names the file, tensor or architecture."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's safetensors header entry; `data_start` is the absolute byte offset in `file`."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]
+    data_start: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[1] - self.offsets[0]
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors file's header (8-byte little-endian length, then JSON) without reading any data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} has an unreadable safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    return {
+        name: TensorInfo(path, e["dtype"], tuple(e["shape"]), tuple(e["data_offsets"]), 8 + n + e["data_offsets"][0])
+        for name, e in header.items()
+    }
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory: `.config` (config.json as a dict), `.arch`, `.num_layers`, lazy `.tensors()`."""
+
+    dir: Path
+    config: dict
+    arch: str
+    infos: dict[str, TensorInfo] = field(repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """lm_head shares the embedding when the config says so or when the checkpoint has no lm_head."""
+        return bool(self.config.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.infos
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's dtype: `dtype`/`torch_dtype` from config.json, else the embedding's stored dtype."""
+        name = self.config.get("dtype") or self.config.get("torch_dtype")
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+        info = self.infos.get("model.embed_tokens.weight") or next(iter(self.infos.values()))
+        return _ST_DTYPES[info.dtype]
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.infos
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        """Stored bytes of the named tensors (all of them by default)."""
+        keys = self.infos.keys() if names is None else names
+        return sum(self._info(n).nbytes for n in keys)
+
+    def fingerprint(self) -> str:
+        """sha256 over config.json, every header entry (sorted by name) and each tensor's first 64 bytes."""
+        h = hashlib.sha256()
+        h.update((self.dir / "config.json").read_bytes())
+        by_file: dict[Path, list[tuple[str, TensorInfo]]] = {}
+        for name in sorted(self.infos):
+            by_file.setdefault(self.infos[name].file, []).append((name, self.infos[name]))
+        samples: dict[str, bytes] = {}
+        for path, entries in by_file.items():
+            with open(path, "rb") as f:
+                for name, info in entries:
+                    f.seek(info.data_start)
+                    samples[name] = f.read(min(FINGERPRINT_SAMPLE_BYTES, info.nbytes))
+        for name in sorted(self.infos):
+            info = self.infos[name]
+            h.update(json.dumps([name, info.dtype, list(info.shape), list(info.offsets)]).encode())
+            h.update(samples[name])
+        return h.hexdigest()
+
+    def tensors(
+        self,
+        names: Iterable[str],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        label: str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Load only `names` (each at most once), cast to `dtype` when given, onto `device`.
+
+        A name the checkpoint lacks raises `CheckpointError` naming the tensor and the checkpoint before anything
+        is read. Loads of `PROGRESS_MIN_BYTES` or more print a throttled progress line on stderr, e.g.
+        "loading layers 0-13: 1.2/7.4 GiB".
+        """
+        names = list(dict.fromkeys(names))
+        for n in names:
+            self._info(n)
+        total = self.nbytes(names)
+        progress = _Progress(label or str(self.dir), total) if total >= PROGRESS_MIN_BYTES else None
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.infos[n].file, []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for path, file_names in by_file.items():
+            with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+                for n in file_names:
+                    t = f.get_tensor(n)
+                    out[n] = t if dtype is None else t.to(dtype)
+                    if progress:
+                        progress.add(self.infos[n].nbytes)
+        if progress:
+            progress.done()
+        return out
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.infos.get(name)
+        if info is None:
+            raise CheckpointError(f"tensor '{name}' is missing from checkpoint {self.dir}")
+        return info
+
+
+def load_checkpoint(dir: str | Path) -> Checkpoint:
+    """Read `config.json` and the safetensors headers of a Hugging Face checkpoint directory.
+
+    The architecture (`config.json` "architectures"[0]) must be one of `SUPPORTED_ARCHS`; anything else raises
+    `CheckpointError` naming it and listing the supported ones.
+    """
+    d = Path(dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{d} is not a checkpoint directory: config.json not found")
+    config = json.loads(cfg_path.read_text())
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(
+            f"unsupported architecture {arch!r} in {cfg_path}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return Checkpoint(d, config, arch, _read_infos(d))
+
+
+def _read_infos(d: Path) -> dict[str, TensorInfo]:
+    if (d / INDEX_FILE).is_file():
+        weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+        infos: dict[str, TensorInfo] = {}
+        for shard in sorted(set(weight_map.values())):
+            path = d / shard
+            if not path.is_file():
+                raise CheckpointError(f"shard {shard} listed in {d / INDEX_FILE} is missing")
+            infos.update(read_safetensors_header(path))
+        listed_only = set(weight_map) - set(infos)
+        if listed_only:
+            raise CheckpointError(f"{d / INDEX_FILE} lists tensors no shard holds, e.g. '{min(listed_only)}'")
+        return infos
+    if (d / SINGLE_FILE).is_file():
+        return read_safetensors_header(d / SINGLE_FILE)
+    raise CheckpointError(f"checkpoint {d} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+class _Progress:
+    """Throttled "loading <label>: x/y GiB" on stderr (carriage return in place, newline at the end)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done_bytes, self.last = label, total, 0, 0.0
+
+    def add(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            self._print("\r")
+
+    def done(self) -> None:
+        self._print("\r")
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def _print(self, prefix: str) -> None:
+        gib = 1024**3
+        sys.stderr.write(f"{prefix}loading {self.label}: {self.done_bytes / gib:.1f}/{self.total / gib:.1f} GiB")
+        sys.stderr.flush()

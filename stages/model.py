@@ -1,0 +1,241 @@
+"""A stage's slice of a Llama-family decoder: layers [first, last) of a checkpoint, attention through the pool.
+
+One decoder layer, as in transformers' Llama / Mistral / Qwen2 / Qwen3:
+
+    h = x + o_proj(attention(rope(norm_q(q_proj(rms(x)))), rope(norm_k(k_proj(rms(x)))), v_proj(rms(x))))
+    out = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+
+Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorms on q and k (`norm_q`, `norm_k`); any bias the checkpoint
+holds is applied, so a Llama with `attention_bias` or `mlp_bias` works too. Mistral uses a sliding window on
+every layer, Qwen2/Qwen3 on the layers `layer_types` (or `max_window_layers`) name when `use_sliding_window`.
+
+The first stage also holds the embedding, the last one the final norm and lm_head (the embedding when tied).
+Local layer l of the stage is global layer `first + l`; the KV cache is indexed by local layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stages.attention import paged_attention, write_kv
+from stages.batch import StepBatch
+from stages.checkpoint import Checkpoint, CheckpointError
+from stages.kv_cache import KVCache
+from stages.rope import Rope, apply_rope
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of the model, read from config.json once; `sliding_windows` has one entry per global layer."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    sliding_windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_config(cls, config: dict, arch: str) -> "ModelSpec":
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+        heads = int(config["num_attention_heads"])
+        n_layers = int(config["num_hidden_layers"])
+        return cls(
+            arch=arch,
+            num_layers=n_layers,
+            hidden_size=int(config["hidden_size"]),
+            num_heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            sliding_windows=_sliding_windows(config, arch, n_layers),
+        )
+
+
+def _sliding_windows(config: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window (None = full attention), following each architecture's transformers rule."""
+    window = config.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (window,) * n_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window and config.get("use_sliding_window"):
+        types = config.get("layer_types")
+        if types:
+            return tuple(window if t == "sliding_attention" else None for t in types)
+        first_sliding = config.get("max_window_layers", n_layers)
+        return tuple(window if i >= first_sliding else None for i in range(n_layers))
+    return (None,) * n_layers
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale by the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, ckpt: Checkpoint) -> torch.dtype:
+    """None or "auto" -> the checkpoint's dtype; a name in float32/bfloat16/float16 -> that dtype."""
+    if dtype is None or dtype == "auto":
+        return ckpt.dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; supported: auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+class StageModel:
+    """Layers [first, last) of `ckpt` on `device` in `dtype`; `forward(batch, kv, x)` runs one step."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        first: int,
+        last: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> None:
+        n = ckpt.num_layers
+        if not 0 <= first < last <= n:
+            raise ValueError(f"layer range [{first}, {last}) is not inside the model's {n} layers")
+        self.spec = ModelSpec.from_config(ckpt.config, ckpt.arch)
+        self.first, self.last = first, last
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, ckpt)
+        self.scale = self.spec.head_dim**-0.5
+        self.rope = Rope(ckpt.config, self.spec.head_dim, self.device)
+        self.sliding_windows = self.spec.sliding_windows[first:last]
+
+        names = self._tensor_names(ckpt)
+        w = ckpt.tensors(names, self.device, self.dtype, label=f"layers {first}-{last - 1}")
+        self.layers = [
+            {key[len(f"model.layers.{g}."):]: t for key, t in w.items() if key.startswith(f"model.layers.{g}.")}
+            for g in range(first, last)
+        ]
+        self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
+        self.norm = w.get("model.norm.weight")
+        self.lm_head = None
+        if self.is_last:
+            self.lm_head = w["model.embed_tokens.weight" if ckpt.tie_word_embeddings else "lm_head.weight"]
+
+    def _tensor_names(self, ckpt: Checkpoint) -> list[str]:
+        """Every tensor this stage needs; optional biases only when the checkpoint has them."""
+        names: list[str] = []
+        for g in range(self.first, self.last):
+            p = f"model.layers.{g}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            projections = [f"self_attn.{m}" for m in _ATTN] + [f"mlp.{m}" for m in _MLP]
+            for m in projections:
+                names.append(p + m + ".weight")
+                if ckpt.has_tensor(p + m + ".bias"):
+                    names.append(p + m + ".bias")
+            if self.spec.arch == "Qwen3ForCausalLM":
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if self.is_first:
+            names.append("model.embed_tokens.weight")
+        if self.is_last:
+            names.append("model.norm.weight")
+            names.append("model.embed_tokens.weight" if ckpt.tie_word_embeddings else "lm_head.weight")
+        return names
+
+    @property
+    def is_first(self) -> bool:
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last == self.spec.num_layers
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.last - self.first
+
+    @property
+    def kv_heads(self) -> int:
+        return self.spec.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def __call__(self, batch: StepBatch, kv: KVCache, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
+        return self.forward(batch, kv, x, logits_all)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KVCache, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
+        """Run one step. `x`: int token ids `[T]` on the first stage, hidden `[T, hidden]` otherwise.
+
+        Returns hidden `[T, hidden]` (model dtype) on a non-last stage; on the last stage float32 logits for
+        `batch.sample_rows` (`[S, vocab]`), or for every row with `logits_all=True`.
+        """
+        if kv.n_layers != self.num_local_layers or kv.kv_heads != self.kv_heads or kv.head_dim != self.head_dim:
+            raise ValueError(
+                f"KV cache has {kv.n_layers} layers x {kv.kv_heads} kv heads x {kv.head_dim}, the stage needs "
+                f"{self.num_local_layers} x {self.kv_heads} x {self.head_dim}"
+            )
+        if x.shape[0] != batch.num_tokens:
+            raise ValueError(f"step has {batch.num_tokens} tokens but the input has {x.shape[0]} rows")
+        if self.is_first:
+            h = F.embedding(x.to(self.device, torch.long), self.embed)
+        else:
+            h = x.to(self.device, self.dtype)
+        cos, sin = self.rope.cos_sin(batch.positions, self.dtype, batch.token_context)
+        for local, layer in enumerate(self.layers):
+            h = self._layer(local, layer, h, cos, sin, batch, kv)
+        if not self.is_last:
+            return h
+        rows = h if logits_all else h[batch.sample_rows]
+        return F.linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    def _layer(
+        self,
+        local: int,
+        w: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: StepBatch,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        s, n = self.spec, x.shape[0]
+        eps = s.rms_norm_eps
+        h = rms_norm(x, w["input_layernorm.weight"], eps)
+        q = _linear(h, w, "self_attn.q_proj").view(n, s.num_heads, s.head_dim)
+        k = _linear(h, w, "self_attn.k_proj").view(n, s.kv_heads, s.head_dim)
+        v = _linear(h, w, "self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
+        if "self_attn.q_norm.weight" in w:
+            q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv, local, batch, k, v)
+        attn = paged_attention(q, kv, local, batch, self.scale, self.sliding_windows[local])
+        x = x + _linear(attn, w, "self_attn.o_proj")
+        h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
+        mlp = F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj")
+        return x + _linear(mlp, w, "mlp.down_proj")
+
+
+def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
