@@ -13,10 +13,10 @@ Rules of `eviction_plan(free_cells, own_cells, want_cells, candidates)`:
  5. If all candidates together do not cover need, the plan is None: evict nobody (a refusal that keeps
     every conversation beats one that throws some away and still refuses).
 
-All quantities are in cells. The caller passes them in the pool's unit (whole chunks times chunk_cells:
-`ChunkMap.free_cells`, `held_cells`, and want rounded up to a chunk) so that "covered" here means the reserve
-will succeed; `Candidate.cells` is what evicting it gives back. The caller must not list the requesting table
-itself among the candidates.
+All quantities are in cells. free_cells, own_cells and every `Candidate.cells` are whole chunks
+(`ChunkMap.free_cells`, `held_cells`: what evicting gives back); want_cells may be exact. Then need > 0 exactly
+when the reserve fails, and a covered need means the reserve succeeds after the evictions. The requesting
+table itself must not be among the candidates.
 """
 from __future__ import annotations
 
