@@ -1,0 +1,161 @@
+"""`strata bench`: benchmarks whose every figure is a ratio against a baseline or a peer measured in the same run.
+
+    strata bench pool     move a conversation by table swap (pool on) vs byte copy (pool off); pool bytes
+    strata bench paged    decode step through shuffled chunk tables vs one contiguous K/V tensor
+    strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn)
+    strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
+
+Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
+The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, and the torch
+parts of peers) run as `python -m stages.bench_*` child processes that write their result as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .report import machine_info, render, write_report
+
+
+def int_list(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]; every value a positive int."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def word_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return values
+
+
+def run_child(module: str, args: list[str]) -> dict[str, Any]:
+    """Run `python -m <module> --json FILE <args>` (progress goes to our stderr) and return its result."""
+    with tempfile.TemporaryDirectory(prefix="strata-bench-") as tmp:
+        path = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, "--json", str(path), *args]
+        proc = subprocess.run(cmd, stdout=sys.stderr)
+        if proc.returncode != 0 or not path.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+        return json.loads(path.read_text())
+
+
+def publish(result: dict[str, Any], out: str, plot: bool = True) -> dict[str, Path]:
+    """Stamp the machine, print the table, write JSON and PNG; return the paths written."""
+    result.setdefault("machine", machine_info())
+    paths = write_report(result, out, plot=plot)
+    print(render(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="bench", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--out", default="bench-out", help="directory for <bench>.json and <bench>.png")
+        sp.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+    pool = sub.add_parser("pool", help="table swap vs byte copy; pool bytes vs (parallel + 1) x max_context")
+    common(pool)
+    pool.add_argument("--cells", type=int_list, default=[16384, 32768, 65536, 131072])
+    pool.add_argument("--kv-dtypes", type=word_list, default=["int8", "bfloat16"])
+    pool.add_argument("--geometries", type=word_list, default=["cpu-tiny", "dual-3080"])
+    pool.add_argument("--max-timed-layers", type=int, default=2,
+                      help="copy at most this many layers and scale to the stage's layer count")
+    pool.add_argument("--swap-repeats", type=int, default=200)
+    pool.add_argument("--copy-repeats", type=int, default=3)
+    pool.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+    paged = sub.add_parser("paged", help="decode step through shuffled chunk tables vs contiguous K/V")
+    common(paged)
+    paged.add_argument("--contexts", type=int_list, default=[1024, 8192, 32768])
+    paged.add_argument("--slots", type=int, default=1, help="slots decoding together in the step")
+    paged.add_argument("--repeats", type=int, default=20)
+    paged.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+    serve = sub.add_parser("serve", help="load generator for an OpenAI-compatible server")
+    common(serve)
+    serve.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
+    serve.add_argument("--concurrency", type=int_list, default=[1, 2, 4])
+    serve.add_argument("--prompt-tokens", type=int, default=256)
+    serve.add_argument("--output-tokens", type=int, default=64)
+    serve.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, "
+                       "at least 4)")
+    serve.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    serve.add_argument("--api", choices=["chat", "completions"], default="chat")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM / llama.cpp extension)")
+    serve.add_argument("--long-tokens", type=int, default=None,
+                       help="appended-turn case: tokens of the held conversation (default 4 x --prompt-tokens; "
+                            "0 skips it)")
+    serve.add_argument("--question-tokens", type=int, default=16)
+    serve.add_argument("--trials", type=int, default=3)
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+    peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers (and llama.cpp), same weights")
+    common(peers)
+    peers.add_argument("--arch", default="qwen3")
+    peers.add_argument("--layers", type=int, default=12)
+    peers.add_argument("--hidden", type=int, default=768)
+    peers.add_argument("--heads", type=int, default=12)
+    peers.add_argument("--kv-heads", type=int, default=4)
+    peers.add_argument("--vocab", type=int, default=32768)
+    peers.add_argument("--prompt-tokens", type=int, default=128)
+    peers.add_argument("--output-tokens", type=int, default=32)
+    peers.add_argument("--concurrency", type=int_list, default=[1, 4])
+    peers.add_argument("--threads", type=int, default=2, help="the thread budget every peer gets")
+    peers.add_argument("--peers", type=word_list, default=["strata-1", "strata-2", "transformers", "llama.cpp"])
+    peers.add_argument("--model-dir", default=None, help="reuse this checkpoint instead of building one")
+    peers.add_argument("--timeout", type=float, default=900.0, help="seconds for each peer")
+    return p
+
+
+def _child_args(args: argparse.Namespace, names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        out += [f"--{name}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plot = not args.no_plot
+    try:
+        if args.bench == "pool":
+            result = run_child("stages.bench_pool", _child_args(args, [
+                "cells", "kv-dtypes", "geometries", "max-timed-layers", "swap-repeats", "copy-repeats", "threads"]))
+        elif args.bench == "paged":
+            result = run_child("stages.bench_paged", _child_args(args, ["contexts", "slots", "repeats", "threads"]))
+        elif args.bench == "serve":
+            from .serve import ServeConfig, run_serve_sync
+
+            cfg = ServeConfig(url=args.url, model=args.model, api=args.api, prompt_tokens=args.prompt_tokens,
+                              output_tokens=args.output_tokens, seed=args.seed, api_key=args.api_key,
+                              ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+            long_tokens = 4 * args.prompt_tokens if args.long_tokens is None else args.long_tokens
+            result = run_serve_sync(cfg, args.concurrency, args.requests, long_tokens=long_tokens,
+                                    question_tokens=args.question_tokens, trials=args.trials)
+        else:
+            from .peers import run_peers
+
+            result = run_peers(args)
+    except (RuntimeError, OSError) as err:
+        print(f"strata bench {args.bench}: {err}", file=sys.stderr)
+        return 1
+    publish(result, args.out, plot=plot)
+    return 0
