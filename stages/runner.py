@@ -1,0 +1,210 @@
+"""One stage's compute state: its layers, its share of the KV pool, its table mirror, its sampler.
+
+The server (stages/server.py) owns the sockets and calls a StageRunner from one compute thread, in the
+order the coordinator sent things: `apply(op)` for each table op, `step(header, tokens, hidden)` for each
+step, `load_snapshot(ops)` when the stage (re)joins, `reset()` for a new coordinator session.
+
+Rules:
+- A step runs only when its table `version` equals the mirror's version. Ops always reach a stage before
+  the steps that depend on them, on one ordered stream, so any difference means an op was lost or
+  reordered: the step is refused with StaleStep and nothing is written, so no step ever runs against
+  a stale table.
+- Ops change the mirror first (it refuses gaps), then the changed slot rows are copied into the KV
+  cache's fixed-address tables in place; an "exchange" op (the pool-off baseline moving a conversation)
+  swaps the bytes of the two tables' fixed regions.
+- The pool share is one file (pool/memory.py) on CPU; arrays are `torch.frombuffer` views of it, so a
+  restarted stage re-attaches the same bytes. A file left by a crash is re-attached when its layout
+  matches, replaced otherwise. A clean `close()` removes the file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pool.chunk_map import TableMirror, region
+from pool.config import Config, ConfigError
+from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
+from pool.wire import PROTOCOL
+
+from .batch import StepBatch
+from .checkpoint import load_checkpoint
+from .kv_cache import kv_dtype_name
+from .kv_cache import KVCache
+from .model import StageModel, resolve_dtype
+from .tensors import pool_array
+
+
+class StaleStep(RuntimeError):
+    """A step whose table version is not the one this stage has reached; it was not run."""
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The checkpoint directory of `model`: "tiny" (or "tiny:key=value,...") is built once into the cache."""
+    if model == "tiny" or model.startswith("tiny:"):
+        from .tiny import ensure_tiny
+
+        return ensure_tiny(model)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {model} is not a checkpoint directory (no config.json)", key="model")
+    return path
+
+
+class StageRunner:
+    """Layers `cfg.stages[index].layers` with their KV pool share; see the module docstring for the rules."""
+
+    def __init__(self, cfg: Config, index: int, pool_path: str | Path | None = None) -> None:
+        stage, e = cfg.stages[index], cfg.engine
+        self.cfg, self.index = cfg, index
+        self.first, self.last = stage.layers
+        self.device = torch.device(stage.device)
+        if e.threads:
+            torch.set_num_threads(e.threads)
+        self.ckpt = load_checkpoint(resolve_model_dir(cfg.model))
+        n_layers = self.ckpt.num_layers
+        if self.last > n_layers:
+            raise ConfigError(
+                f"stages.{index}.layers=[{self.first}, {self.last}) but the model has {n_layers} layers",
+                key=f"stages.{index}.layers",
+            )
+        self.dtype = resolve_dtype(e.dtype, self.ckpt)
+        self.model = StageModel(self.ckpt, self.first, self.last, self.device, self.dtype)
+        self.model_fp = self.ckpt.fingerprint()[:16]
+        self.config_fp = cfg.fingerprint()
+        self.kv_dtype = "int8" if e.kv_dtype == "int8" else kv_dtype_name(self.dtype)
+        self.n_slots, self.table_chunks = e.parallel, e.table_chunks
+        layout = PoolLayout(self.model.num_local_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads,
+                            self.model.head_dim, self.kv_dtype)
+        self.memory: PoolMemory | None = None
+        self.reattached = False
+        storage = None
+        if self.device.type == "cpu":
+            path = Path(pool_path) if pool_path else default_path(f"{self.config_fp}-stage{index}")
+            self.memory, self.reattached = _open_pool(path, layout)
+
+            def storage(layer: int, which: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+                return pool_array(self.memory, layer, which)
+        # On CUDA the arrays live in device memory (KVCache allocates them there, zeroed): attention reads
+        # them at device bandwidth. The host pool file would only be a second copy nothing reads, so none is
+        # made; re-attaching after a crash is a CPU-stage feature for now.
+        self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
+                          self.kv_dtype, self.device, self.n_slots, self.table_chunks, storage=storage)
+        self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
+        self.sampler = None
+        if self.model.is_last:
+            from .sampling import Sampler
+
+            self.sampler = Sampler(self.n_slots, self.model.vocab_size, self.device)
+        self.max_context = e.max_context
+
+    # ---- handshake and tables ------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.mirror.version
+
+    def hello(self) -> dict:
+        """What the coordinator checks before serving: coverage, checkpoint, config, pool geometry."""
+        e = self.cfg.engine
+        return {
+            "protocol": PROTOCOL,
+            "stage": self.index,
+            "layers": [self.first, self.last],
+            "model_layers": self.ckpt.num_layers,
+            "model_fp": self.model_fp,
+            "config_fp": self.config_fp,
+            "pool": {"n_chunks": e.n_chunks, "chunk_cells": e.chunk_cells, "table_chunks": self.table_chunks,
+                     "kv_dtype": self.kv_dtype, "n_slots": self.n_slots,
+                     "file": str(self.memory.path) if self.memory else None, "reattached": self.reattached},
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "pid": os.getpid(),
+            "version": self.mirror.version,
+        }
+
+    def describe(self) -> str:
+        pool = f"pool file {self.memory.path}" if self.memory else "pool on the device"
+        return (f"layers [{self.first}, {self.last}) of {self.ckpt.num_layers} on {self.device} "
+                f"({str(self.dtype).removeprefix('torch.')}, kv {self.kv_dtype}, {self.cfg.engine.n_chunks} chunks, {pool})")
+
+    def apply(self, op: list) -> None:
+        """Apply one table op: the mirror (which refuses gaps), then device rows, then byte exchanges."""
+        self.mirror.apply(op)
+        if op[0] == "exchange":
+            _, _, a, b, cells = op
+            self.kv.exchange(region(a, self.table_chunks), region(b, self.table_chunks), cells)
+        for slot in sorted(self.mirror.changed_slots):
+            self.kv.set_table(slot, self.mirror.entries(slot))
+
+    def load_snapshot(self, ops: list) -> None:
+        """Replace every table with a snapshot (`snapshot_ops()`), e.g. when this stage rejoins."""
+        self.mirror.load(ops)
+        for slot in range(self.n_slots):
+            self.kv.set_table(slot, self.mirror.entries(slot))
+
+    def reset(self) -> None:
+        """Empty tables at version 0 (a new coordinator session); the K/V bytes stay where they are."""
+        self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
+        self.kv.tables.fill_(self.kv.trash)
+
+    # ---- steps ---------------------------------------------------------------------------------------
+    def check_step(self, header: dict) -> None:
+        """Raise StaleStep unless the step's table version is the mirror's; ValueError for a bad slot entry."""
+        sid, version = header.get("step"), header.get("version")
+        if version != self.mirror.version:
+            raise StaleStep(
+                f"step {sid} needs table version {version} but this stage has applied ops up to version "
+                f"{self.mirror.version}: an op was lost or reordered, the step was not run"
+            )
+        for slot, start, n, _ in header["slots"]:
+            if not 0 <= slot < self.n_slots:
+                raise ValueError(f"step {sid}: slot {slot} does not exist (parallel={self.n_slots})")
+            if start + n > self.max_context:
+                raise ValueError(f"step {sid}: slot {slot} reaches cell {start + n}, max_context is {self.max_context}")
+
+    def step(self, header: dict, tokens: torch.Tensor | None, hidden: torch.Tensor | None) -> Any:
+        """Run one step: hidden `[T, hidden]` on a non-last stage, RESULT token rows on the last.
+
+        `tokens` (int32 `[T]`) is read by the first stage, `hidden` by the others. The last stage returns
+        `[[slot, token, logprob, [[id, logprob], ...]], ...]` for the slots with sample=1, in header order.
+        """
+        self.check_step(header)
+        sid, slots = header.get("step"), header["slots"]
+        if self.sampler is not None:
+            for slot, params in (header.get("sampling") or {}).items():
+                params = dict(params)
+                history = params.pop("history", None) or []
+                self.sampler.reset(int(slot), params, list(history))
+        batch = StepBatch.from_slots(slots, self.device)
+        x = tokens if self.model.is_first else hidden
+        if x is None:
+            raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
+        out = self.model.forward(batch, self.kv, x)
+        if self.sampler is None:
+            return out
+        rows = [slot for slot, _, _, sample in slots if sample]
+        sampled = self.sampler.sample(out, rows)
+        return [[slot, int(tok), float(lp), [[int(i), float(p)] for i, p in (top or [])]]
+                for slot, (tok, lp, top) in zip(rows, sampled)]
+
+    def close(self, unlink: bool = True) -> None:
+        """Drop the arrays and the mapping; `unlink` also removes the pool file (a clean shutdown)."""
+        self.kv = None  # type: ignore[assignment]
+        if self.memory is not None:
+            self.memory.close()
+            if unlink:
+                self.memory.unlink()
+            self.memory = None
+
+
+def _open_pool(path: Path, layout: PoolLayout) -> tuple[PoolMemory, bool]:
+    """Re-attach the file a crashed stage left when its layout matches; otherwise make a fresh one."""
+    if path.exists():
+        try:
+            return PoolMemory.attach(path, layout), True
+        except PoolMismatch:
+            pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return PoolMemory.create(path, layout), False
