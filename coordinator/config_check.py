@@ -1,0 +1,329 @@
+"""`strata config check FILE [--set k=v ...]`: what a config will cost, per stage, before anything starts.
+
+It resolves the model without loading a weight: `config.json` for the geometry, and the safetensors
+headers (the 8-byte length and the JSON that follows it) for the tensors' shapes and dtypes. No torch.
+`tiny` (and `tiny:key=value,...`) is described by `python -m stages.tiny --describe` in a child process
+(the coordinator never imports the stage package); its weights then come from the geometry.
+
+Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
+- pool: the stage's attention layers, K and V for every cell of `n_chunks + 1` chunks (the trash chunk
+  is allocated too): (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * head_dim * kv_bytes, plus for
+  int8 the float32 scale per cell per head, (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * 4.
+  Cross-checked against `pool.memory.PoolLayout`, which the stage uses to size its file (its header, a
+  few KiB, comes on top and is not counted).
+- weights: the tensors of its layer range, plus the embedding on the first stage and the final norm and
+  lm_head on the last (a tied lm_head is the embedding, loaded by the last stage too); in `engine.dtype`
+  when it is set, else as stored.
+- baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
+  without the pool (one full context per slot plus one for a parked conversation).
+
+Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
+stages that do not cover the model's layers exactly once, a pool geometry the stage could not lay out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pool.config import Config, ConfigError, load_config
+from pool.memory import PoolLayout
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# safetensors dtype codes -> bytes per element
+ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+            "I8": 1, "U8": 1, "BOOL": 1}
+ST_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# What stages/ loads (stages/checkpoint.py is the authority; a mismatch here is a note, not a refusal).
+DENSE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TINY_FALLBACK = {  # the embedded default, if `python -m stages.tiny --describe` cannot run
+    "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "torch_dtype": "float32", "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The checkpoint as the check sees it."""
+
+    source: str                 # the directory, or "tiny (embedded default, built on first use)"
+    arch: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int | None
+    dtype: str                  # the stored dtype of the weights (config.json torch_dtype)
+    weights_from: str           # "safetensors headers" | "config.json geometry" | "unknown"
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    index: int
+    device: str
+    layers: tuple[int, int]
+    weight_bytes: int | None    # None: not computable (an architecture the geometry formula does not know)
+    pool_bytes: int
+    pool_cells: int             # usable cells, n_chunks * chunk_cells (the trash chunk is in pool_bytes)
+    baseline_bytes: int
+
+
+@dataclass
+class Report:
+    config: Config
+    model: ModelInfo
+    kv_dtype: str
+    bytes_per_cell: int         # one cell of one layer: K, V and int8 scales
+    baseline_cells: int         # (parallel + 1) * max_context
+    stages: list[StageFigures]
+    notes: list[str] = field(default_factory=list)
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a .safetensors file, without reading data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ConfigError(f"model: {path} is not a safetensors file (shorter than 8 bytes)", key="model")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise ConfigError(f"model: {path} announces a {n}-byte header; not a safetensors file", key="model")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ConfigError(f"model: {path} has an unreadable safetensors header", key="model") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def _describe_tiny(model: str) -> tuple[dict, str]:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    try:
+        out = subprocess.run([sys.executable, "-m", "stages.tiny", "--describe", model], capture_output=True,
+                             text=True, timeout=60, env=env, check=True)
+        return json.loads(out.stdout), "config.json geometry"
+    except (OSError, subprocess.SubprocessError, ValueError):
+        if model != "tiny":
+            raise ConfigError(f"model: cannot describe {model!r} (python -m stages.tiny --describe failed)",
+                              key="model") from None
+        return dict(TINY_FALLBACK), "unknown"
+
+
+def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
+    def need(name: str) -> Any:
+        if name not in conf:
+            raise ConfigError(f"model: {source}/config.json has no {name}", key="model")
+        return conf[name]
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    return ModelInfo(
+        source=source, arch=(conf.get("architectures") or ["?"])[0], num_layers=need("num_hidden_layers"),
+        hidden=hidden, heads=heads, kv_heads=conf.get("num_key_value_heads", heads),
+        head_dim=conf.get("head_dim") or hidden // heads, vocab=conf.get("vocab_size"),
+        dtype=str(conf.get("torch_dtype") or conf.get("dtype") or "float32"), weights_from=weights_from,
+    )
+
+
+def dense_tensor_shapes(conf: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors of a Llama/Mistral/Qwen2/Qwen3 checkpoint, named as Hugging Face writes them."""
+    h, heads = conf["hidden_size"], conf["num_attention_heads"]
+    kv, hd = conf.get("num_key_value_heads", heads), conf.get("head_dim") or h // heads
+    inter, vocab, arch = conf["intermediate_size"], conf["vocab_size"], conf["architectures"][0]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(conf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd))]
+        if arch == "Qwen2ForCausalLM" or conf.get("attention_bias"):
+            out += [(p + "self_attn.q_proj.bias", (heads * hd,)), (p + "self_attn.k_proj.bias", (kv * hd,)),
+                    (p + "self_attn.v_proj.bias", (kv * hd,))]
+        if arch == "Qwen3ForCausalLM":
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if not conf.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, h)))
+    return out
+
+
+def _owners(name: str, n_stages: int, ranges: list[tuple[int, int]], tied: bool) -> list[int]:
+    """The stages that load tensor `name` (empty: no stage does)."""
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return [i for i, (a, b) in enumerate(ranges) if a <= layer < b]
+    if name.startswith("model.embed_tokens."):
+        return sorted({0, n_stages - 1}) if tied else [0]
+    if name.startswith(("model.norm.", "lm_head.")):
+        return [n_stages - 1]
+    return []
+
+
+def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], tied: bool, notes: list[str]) -> list[int]:
+    """Bytes per stage; `tensors` are (name, stored bytes, elements, is floating point)."""
+    want = DTYPE_BYTES.get(cfg.engine.dtype)  # None for auto: as stored
+    ranges = [s.layers for s in cfg.stages]
+    tied = tied and all(name != "lm_head.weight" for name, *_ in tensors)
+    totals, stray = [0] * len(ranges), []
+    for name, stored, numel, is_float in tensors:
+        owners = _owners(name, len(ranges), ranges, tied)
+        if not owners:
+            stray.append(name)
+        for i in owners:
+            totals[i] += numel * want if (want and is_float) else stored
+    if stray:
+        notes.append(f"{len(stray)} tensors belong to no stage and are not counted (e.g. {stray[0]})")
+    return totals
+
+
+def check(cfg: Config) -> Report:
+    """Resolve the model, check the layer split against it, and compute every stage's figures."""
+    notes = list(cfg.notes())
+    tensors: list[tuple[str, int, int, bool]] = []  # name, stored bytes, numel, is_float
+    if cfg.model == "tiny" or cfg.model.startswith("tiny:"):
+        conf, weights_from = _describe_tiny(cfg.model)
+        source = f"{cfg.model} (embedded default, built on first use)"
+    else:
+        model_dir = Path(cfg.model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"model: {cfg.model} has no config.json (a Hugging Face checkpoint directory, or tiny)",
+                              key="model")
+        conf, source = json.loads((model_dir / "config.json").read_text()), str(model_dir)
+        for path in _weight_files(model_dir):
+            for name, t in read_safetensors_header(path).items():
+                numel = math.prod(t["shape"])
+                tensors.append((name, t["data_offsets"][1] - t["data_offsets"][0], numel, t["dtype"] in ST_FLOAT))
+        weights_from = "safetensors headers" if tensors else "config.json geometry"
+    info = _model_info(source, conf, weights_from)
+    cfg.check_layers(info.num_layers)
+    if info.arch not in DENSE_ARCHS:
+        notes.append(f"model: architecture {info.arch} is not one stages/ loads ({', '.join(DENSE_ARCHS)})")
+    max_pos = conf.get("max_position_embeddings")
+    if max_pos and cfg.engine.max_context > max_pos and not conf.get("rope_scaling"):
+        notes.append(f"engine.max_context={cfg.engine.max_context} exceeds the model's max_position_embeddings="
+                     f"{max_pos} (no rope_scaling in config.json)")
+
+    stored = DTYPE_BYTES.get(info.dtype, 2)
+    if not tensors and info.weights_from == "config.json geometry":
+        if info.arch in DENSE_ARCHS and "intermediate_size" in conf:
+            tensors = [(n, math.prod(s) * stored, math.prod(s), True) for n, s in dense_tensor_shapes(conf)]
+        else:
+            info = ModelInfo(**{**info.__dict__, "weights_from": "unknown"})
+    weights = _stage_weights(cfg, tensors, bool(conf.get("tie_word_embeddings")), notes) if tensors else None
+
+    e = cfg.engine
+    kv_dtype = "int8" if e.kv_dtype == "int8" else (e.dtype if e.dtype != "auto" else info.dtype)
+    if kv_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"engine.kv_dtype: the model dtype {kv_dtype} is not a KV dtype; set engine.dtype", key="engine.kv_dtype")
+    per_cell = 2 * info.kv_heads * info.head_dim * DTYPE_BYTES[kv_dtype]
+    if kv_dtype == "int8":
+        per_cell += 2 * info.kv_heads * 4
+    baseline_cells = (e.parallel + 1) * e.max_context
+    stages = []
+    for i, s in enumerate(cfg.stages):
+        n_layers = s.layers[1] - s.layers[0]
+        pool_bytes = (e.n_chunks + 1) * e.chunk_cells * n_layers * per_cell
+        try:
+            layout = PoolLayout(n_layers, e.n_chunks, e.chunk_cells, info.kv_heads, info.head_dim, kv_dtype)
+        except ValueError as err:
+            raise ConfigError(f"engine.chunk_cells={e.chunk_cells}: stage {i} cannot lay out its pool: {err}",
+                              key="engine.chunk_cells") from None
+        if layout.data_nbytes != pool_bytes:  # two derivations of one number; a difference is a bug
+            raise AssertionError(f"pool bytes {pool_bytes} != PoolLayout.data_nbytes {layout.data_nbytes}")
+        stages.append(StageFigures(i, s.device, s.layers, weights[i] if weights else None, pool_bytes,
+                                   e.n_chunks * e.chunk_cells, baseline_cells * n_layers * per_cell))
+    return Report(cfg, info, kv_dtype, per_cell, baseline_cells, stages, notes)
+
+
+def _gib(n: int | None) -> str:
+    """GiB with two decimals; small figures keep their significant digits (0.000488, not 0.00)."""
+    if n is None:
+        return "?"
+    v = n / GIB
+    return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.6f}".rstrip("0")
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, except lists of plain values (`layers: [0, 2]`), as people write them."""
+
+
+_Dumper.add_representer(list, lambda d, v: d.represent_sequence(
+    "tag:yaml.org,2002:seq", v, flow_style=all(not isinstance(x, (list, dict)) for x in v)))
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML that `load_config` reads back to the same config."""
+    return yaml.dump(cfg.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)
+
+
+def format_report(report: Report) -> str:
+    """A table (stage, device, layers, weights GiB, pool GiB, pool cells), totals, notes, the resolved YAML."""
+    m, e = report.model, report.config.engine
+    lines = [
+        f"model: {m.source}",
+        f"  {m.arch}, {m.num_layers} layers, hidden {m.hidden}, {m.heads} heads, {m.kv_heads} KV heads, "
+        f"head_dim {m.head_dim}, {m.dtype}; weights from {m.weights_from}",
+        f"pool: {'on' if e.pool_on else 'off (baseline: one full-context region per slot + 1)'}, "
+        f"{e.n_chunks} chunks of {e.chunk_cells} cells + 1 trash chunk per stage, "
+        f"KV {report.kv_dtype}, {report.bytes_per_cell} B per cell per layer",
+        "",
+        f"{'stage':>5}  {'device':<8}  {'layers':<10}  {'weights GiB':>11}  {'pool GiB':>9}  {'pool cells':>10}",
+    ]
+    for s in report.stages:
+        lines.append(f"{s.index:>5}  {s.device:<8}  {f'[{s.layers[0]}, {s.layers[1]})':<10}  "
+                     f"{_gib(s.weight_bytes):>11}  {_gib(s.pool_bytes):>9}  {s.pool_cells:>10}")
+    weights = [s.weight_bytes for s in report.stages]
+    total_w = None if None in weights else sum(weights)  # type: ignore[arg-type]
+    lines.append(f"{'total':>5}  {'':<8}  {'':<10}  {_gib(total_w):>11}  "
+                 f"{_gib(sum(s.pool_bytes for s in report.stages)):>9}")
+    lines.append("")
+    for s in report.stages:
+        weights = "?" if s.weight_bytes is None else s.weight_bytes
+        lines.append(f"stage {s.index}: weights {weights} B, pool {s.pool_bytes} B; without the pool "
+                     f"(parallel + 1) x max_context = {report.baseline_cells} cells: {s.baseline_bytes} B "
+                     f"({_gib(s.baseline_bytes)} GiB)")
+    lines += [f"note: {n}" for n in report.notes]
+    lines += ["", "# resolved config", to_yaml(report.config).rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def main_check(argv: list[str] | None = None) -> int:
+    """`strata config check FILE [--set k=v ...]`: print the report; 1 with the message when refused."""
+    p = argparse.ArgumentParser(prog="strata config check", description=__doc__.splitlines()[0])
+    p.add_argument("file", help="box YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set engine.kv_pool_tokens=8192")
+    args = p.parse_args(argv)
+    try:
+        report = check(load_config(args.file, args.overrides))
+    except ConfigError as err:
+        print(f"{args.file}: {err}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_check())
