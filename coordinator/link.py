@@ -1,0 +1,372 @@
+"""The coordinator's link to its stages: one ordered ZeroMQ stream per stage, a handshake, heartbeats.
+
+    StageLink ── DEALER ──> stage 0 ROUTER   HELLO  OPS  STEP  PING  BYE   (one ordered stream per stage)
+              <──────────                    HELLO  ERROR  PONG
+              ── DEALER ──> stage S-1 ROUTER
+              <──────────                    HELLO  RESULT  ERROR  PONG
+
+Rules:
+- Ops and steps go out on the same socket, so a stage sees every op a step depends on before the step.
+  Ops for a stage that is not up are dropped, not queued: a stage that comes back gets a snapshot instead.
+- `start()` sends HELLO to every stage and refuses to serve (LinkError naming the mismatch) unless the
+  stages cover every layer of the model exactly once, in order, and agree on the checkpoint fingerprint,
+  the pool geometry (n_chunks, chunk_cells, table_chunks) and the config fingerprint (also the
+  coordinator's own). The HELLO request carries a session id: a stage that sees a new session starts with
+  empty tables, so a restarted coordinator never inherits another one's tables.
+- Every step goes to every stage; only the last stage answers (RESULT). Any number of steps may be in
+  flight; each has a future. Step ids increase within a session: the link assigns one when the header has
+  none and refuses an id that does not increase (a stage uses the order to drop stale hidden states).
+- A stage is down when it has said nothing (PONG or anything else) for `stage_timeout_ms`, when its
+  connection drops (socket monitor), or when it reports a fatal error. Then every in-flight step fails at
+  once with StageDown, `on_stage_down(index, reason)` is called, and the link opens a fresh socket to it
+  (the old queue with its stale steps is dropped) and repeats HELLO until the stage answers and passes the
+  same checks against the other stages. It is then *joining*: `on_stage_up(index)` is called (the scheduler
+  sends a snapshot with `send_ops(..., stage=index, snapshot=True)`), and when that returns the stage is up
+  again. `stages_up` is only true for stages that are up; steps are refused while any stage is not.
+- An ERROR naming a step fails that step's future with StepFailed; the stage keeps serving.
+"""
+from __future__ import annotations
+
+import array
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from pool.config import Config
+from pool.wire import BYE, ERROR, HELLO, OPS, PING, PONG, PROTOCOL, RESULT, STEP, RawTensor, WireError, decode, encode
+
+log = logging.getLogger("strata.link")
+
+HELLO_RETRY_S = 1.0  # how often a down stage is asked again
+GEOMETRY = ("n_chunks", "chunk_cells", "table_chunks")
+
+
+class LinkError(RuntimeError):
+    """The stages cannot be served together; the message names the mismatch."""
+
+
+class StageDown(RuntimeError):
+    """A stage stopped answering; every step in flight when it happened fails with this."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"stage {index} is down: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+class StepFailed(RuntimeError):
+    """A stage refused or failed one step (it keeps serving)."""
+
+    def __init__(self, step: int, stage: int, message: str) -> None:
+        super().__init__(f"step {step} failed on stage {stage}: {message}")
+        self.step = step
+        self.stage = stage
+        self.message = message
+
+
+def check_hellos(hellos: list[dict], config_fp: str) -> None:
+    """Raise LinkError naming the first mismatch among the stages' HELLOs (index = stage index)."""
+    n_layers = hellos[0]["model_layers"]
+    prev_end = 0
+    for i, h in enumerate(hellos):
+        if h.get("stage") != i:
+            raise LinkError(f"stage {i}'s endpoint is answered by a stage started as --device {h.get('stage')}")
+        first, last = h["layers"]
+        last_stage = i == len(hellos) - 1
+        if first != prev_end or last > n_layers or (last_stage and last != n_layers):
+            where = f"stage {i - 1} ends at {prev_end}" if i else "the first stage must start at 0"
+            raise LinkError(f"stage {i} serves layers [{first}, {last}) but {where} and the model has {n_layers} layers")
+        prev_end = last
+    ref = hellos[0]
+    for i, h in enumerate(hellos[1:], start=1):
+        if h["model_fp"] != ref["model_fp"]:
+            raise LinkError(f"stage {i} has checkpoint fp {h['model_fp']}, stage 0 has {ref['model_fp']}")
+        for key in GEOMETRY:
+            a, b = h["pool"][key], ref["pool"][key]
+            if a != b:
+                what = f"{a} chunks, stage 0 has {b}" if key == "n_chunks" else f"{key} {a}, stage 0 has {b}"
+                raise LinkError(f"stage {i} has {what}")
+        if h["config_fp"] != ref["config_fp"]:
+            raise LinkError(f"stage {i} has config fp {h['config_fp']}, stage 0 has {ref['config_fp']}")
+    if ref["config_fp"] != config_fp:
+        raise LinkError(f"stage 0 has config fp {ref['config_fp']}, the coordinator has {config_fp}")
+
+
+@dataclass
+class _Peer:
+    index: int
+    endpoint: str
+    state: str = "down"  # down -> joining -> up
+    reason: str = "not started"
+    sock: Any = None
+    mon: Any = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    hello: dict | None = None  # the accepted HELLO
+    waiter: asyncio.Future | None = None  # start(): the first HELLO answer
+    last_seen: float = 0.0
+    last_hello: float = 0.0
+    pong: dict = field(default_factory=dict)
+
+
+class StageLink:
+    """One DEALER per stage on zmq.asyncio; see the module docstring for the rules."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.session = uuid.uuid4().hex[:12]
+        self.on_stage_up: Callable[[int], Any] | None = None
+        self.on_stage_down: Callable[[int, str], Any] | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._peers = [_Peer(i, s.endpoint) for i, s in enumerate(cfg.stages)]
+        self._inflight: dict[int, asyncio.Future] = {}
+        self._last_step = -1
+        self._heartbeat: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+
+    # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def stages_up(self) -> list[bool]:
+        return [p.state == "up" for p in self._peers]
+
+    def stage_info(self) -> list[dict]:
+        """Per stage: index, endpoint, state, up, reason when not up, layers, device, and the last PONG."""
+        out = []
+        for p in self._peers:
+            h = p.hello or {}
+            info = {"index": p.index, "endpoint": p.endpoint, "state": p.state, "up": p.state == "up",
+                    "layers": h.get("layers"), "device": h.get("device"), "pid": h.get("pid"), **p.pong}
+            if p.state != "up":
+                info["reason"] = p.reason
+            out.append(info)
+        return out
+
+    # ---- handshake -----------------------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> None:
+        """HELLO every stage and check that they fit together; LinkError (naming why) otherwise."""
+        loop = asyncio.get_running_loop()
+        for p in self._peers:
+            p.waiter = loop.create_future()
+            self._open(p)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.waiter for p in self._peers)), timeout)
+            check_hellos([p.waiter.result() for p in self._peers], self.cfg.fingerprint())
+        except asyncio.TimeoutError:
+            silent = [f"stage {p.index} ({p.endpoint})" for p in self._peers if not p.waiter.done()]
+            self.close()
+            raise LinkError(f"{', '.join(silent)} did not answer HELLO within {timeout:g} s") from None
+        except BaseException:
+            for p in self._peers:  # a fatal ERROR from one stage must not leave the others' futures unread
+                if p.waiter.done() and not p.waiter.cancelled():
+                    p.waiter.exception()
+            self.close()
+            raise
+        now = time.monotonic()
+        for p in self._peers:
+            p.hello, p.waiter = p.waiter.result(), None
+            p.state, p.reason, p.last_seen = "up", "", now
+        self._started = True
+        self._heartbeat = asyncio.create_task(self._beat(), name="stage-heartbeat")
+        log.info("stages up: %s", ", ".join(f"{p.index}:{p.hello['layers']}@{p.hello['device']}" for p in self._peers))
+
+    def _open(self, p: _Peer) -> None:
+        """A fresh DEALER (and monitor) to stage p, with HELLO queued first on it."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a slow stage; down-detection bounds it
+        sock.setsockopt(zmq.RCVHWM, 0)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(p.endpoint)
+        p.sock, p.mon = sock, mon
+        p.tasks = [asyncio.create_task(self._read(p, sock), name=f"stage-{p.index}-read"),
+                   asyncio.create_task(self._watch(p, sock, mon), name=f"stage-{p.index}-monitor")]
+        self._send_hello(p)
+
+    def _close_socket(self, p: _Peer, linger: int = 0) -> None:
+        for t in p.tasks:
+            t.cancel()
+        p.tasks = []
+        if p.sock is not None:
+            try:
+                p.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            p.mon.close(linger=0)
+            p.sock.close(linger=linger)
+            p.sock = p.mon = None
+
+    def _send_hello(self, p: _Peer) -> None:
+        p.last_hello = time.monotonic()
+        self._send(p, encode(HELLO, {"protocol": PROTOCOL, "session": self.session, "stage": p.index,
+                                     "config_fp": self.cfg.fingerprint()}))
+
+    def _send(self, p: _Peer, frames: list) -> None:
+        fut = p.sock.send_multipart(frames, copy=False)
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface as down
+
+    # ---- receiving -----------------------------------------------------------------------------------
+    async def _read(self, p: _Peer, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                kind, header, _ = decode(frames)
+            except WireError as err:
+                log.warning("stage %d sent a malformed message: %s", p.index, err)
+                continue
+            p.last_seen = time.monotonic()
+            if kind == PONG:
+                p.pong = {k: v for k, v in header.items() if k != "t"}
+            elif kind == RESULT:
+                fut = self._inflight.get(header.get("step"))
+                if fut is not None and not fut.done():
+                    fut.set_result(header)
+            elif kind == ERROR:
+                self._on_error(p, header)
+            elif kind == HELLO:
+                self._on_hello(p, header)
+            else:
+                log.warning("stage %d sent an unexpected %s", p.index, kind)
+
+    def _on_error(self, p: _Peer, header: dict) -> None:
+        message = str(header.get("message", "unknown error"))
+        if header.get("fatal"):
+            if p.waiter is not None and not p.waiter.done():
+                p.waiter.set_exception(LinkError(f"stage {p.index} could not start: {message}"))
+            else:
+                self._mark_down(p, f"fatal error: {message}")
+            return
+        step = header.get("step")
+        fut = self._inflight.get(step)
+        if fut is not None and not fut.done():
+            fut.set_exception(StepFailed(step, p.index, message))
+        elif step is None:
+            log.warning("stage %d: %s", p.index, message)
+
+    def _on_hello(self, p: _Peer, header: dict) -> None:
+        if p.waiter is not None:
+            if not p.waiter.done():
+                p.waiter.set_result(header)
+            return
+        if not self._started or p.state != "down":
+            return  # a repeated answer to a HELLO sent while the stage was slow
+        hellos = [header if q is p else q.hello for q in self._peers]
+        try:
+            check_hellos(hellos, self.cfg.fingerprint())
+        except LinkError as err:
+            if p.reason != str(err):
+                log.error("stage %d answered but cannot rejoin: %s", p.index, err)
+            p.reason = str(err)
+            return
+        p.hello, p.state, p.reason, p.last_seen = header, "joining", "", time.monotonic()
+        log.info("stage %d is back (pid %s), rejoining", p.index, header.get("pid"))
+        if self.on_stage_up is None:
+            p.state = "up"
+            return
+        result = self.on_stage_up(p.index)
+        if inspect.isawaitable(result):
+            asyncio.ensure_future(self._finish_join(p, result))
+        else:
+            p.state = "up"
+
+    async def _finish_join(self, p: _Peer, pending: Any) -> None:
+        await pending
+        if p.state == "joining":
+            p.state = "up"
+
+    async def _watch(self, p: _Peer, sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            event = await recv_monitor_message(mon)
+            if event["event"] == zmq.EVENT_DISCONNECTED and p.sock is sock and p.state != "down":
+                self._mark_down(p, "connection lost")
+
+    # ---- heartbeat and failure -----------------------------------------------------------------------
+    async def _beat(self) -> None:
+        period = self.cfg.coordinator.heartbeat_ms / 1000
+        limit = self.cfg.coordinator.stage_timeout_ms / 1000
+        ping = encode(PING, {})
+        while not self._closed:
+            now = time.monotonic()
+            for p in self._peers:
+                if p.state != "down":
+                    if now - p.last_seen > limit:
+                        self._mark_down(p, f"no answer for {limit:g} s")
+                    else:
+                        self._send(p, ping)
+                elif now - p.last_hello > HELLO_RETRY_S:
+                    self._send_hello(p)
+            await asyncio.sleep(period)
+
+    def _mark_down(self, p: _Peer, reason: str) -> None:
+        """Fail everything in flight, tell the scheduler, and start asking the stage to come back."""
+        if p.state == "down" or self._closed:
+            return
+        log.error("stage %d is down: %s", p.index, reason)
+        p.state, p.reason, p.pong = "down", reason, {}
+        err = StageDown(p.index, reason)
+        for fut in self._inflight.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if self.on_stage_down is not None:
+            self.on_stage_down(p.index, reason)
+        self._close_socket(p)
+        self._open(p)
+
+    # ---- sending -------------------------------------------------------------------------------------
+    def send_ops(self, ops: list, stage: int | None = None, snapshot: bool = False) -> None:
+        """Send table ops (in order) to every stage, or to one; `snapshot` replaces the stage's tables."""
+        if not ops and not snapshot:
+            return
+        frames = encode(OPS, {"ops": ops, "snapshot": snapshot})
+        for p in self._peers if stage is None else [self._peers[stage]]:
+            if p.state != "down" and p.sock is not None:
+                self._send(p, frames)
+
+    async def step(self, header: dict, tokens: list[int]) -> dict:
+        """Run one step on every stage; the last stage's RESULT header (tokens as [[slot, token, logprob, top]])."""
+        for p in self._peers:
+            if p.state != "up":
+                raise StageDown(p.index, p.reason or p.state)
+        header = dict(header)
+        sid = header.setdefault("step", self._last_step + 1)
+        if not isinstance(sid, int) or sid <= self._last_step:
+            raise ValueError(f"step id {sid!r} does not increase (last was {self._last_step})")
+        self._last_step = sid
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[sid] = fut
+        ids = array.array("i", tokens)
+        frames = encode(STEP, header, [RawTensor("int32", (len(ids),), memoryview(ids))])
+        try:
+            for p in self._peers:
+                self._send(p, frames)
+            return await fut
+        finally:
+            del self._inflight[sid]
+
+    def close(self) -> None:
+        """Say BYE to every stage and drop the sockets; steps still in flight fail with StageDown."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        bye = encode(BYE, {"session": self.session})
+        for fut in self._inflight.values():
+            if not fut.done():
+                fut.set_exception(StageDown(0, "the link is closed"))
+        for p in self._peers:
+            said_bye = p.sock is not None and p.state != "down"
+            if said_bye:
+                self._send(p, bye)
+            p.state, p.reason = "down", "the link is closed"
+            self._close_socket(p, linger=200 if said_bye else 0)
+        self._ctx.term()
