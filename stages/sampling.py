@@ -161,10 +161,11 @@ class Sampler:
         """Steps 3-5 on tempered logits [B, V]: removed tokens become -inf (a new tensor)."""
         params = [self._slot(s) for s in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=x.device)
-        if any(p.top_k > 0 for p in params):
-            k = self._top_k[idx].clamp(max=x.shape[1])
-            k = torch.where(k > 0, k, x.shape[1])
-            kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        k_max = min(max(p.top_k for p in params), x.shape[1])
+        if k_max > 0:
+            k = self._top_k[idx].clamp(max=k_max)
+            kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+            kth = torch.where((k > 0)[:, None], kth, -math.inf)  # top_k 0: keep everything
             x = x.masked_fill(x < kth, -math.inf)
         if any(p.top_p < 1 for p in params):
             sorted_x, order = x.sort(dim=-1)  # ascending, as TopPLogitsWarper
@@ -192,11 +193,12 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         x = x / torch.where(greedy, 1.0, self._temperature[idx])[:, None]
         logprobs = x.log_softmax(dim=-1)
+        if not any(p.greedy for p in params):
+            return self.filter(x, slots).softmax(dim=-1), logprobs
         one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
         if all(p.greedy for p in params):
             return one_hot, logprobs
-        probs = self.filter(x, slots).softmax(dim=-1)
-        return torch.where(greedy[:, None], one_hot, probs), logprobs
+        return torch.where(greedy[:, None], one_hot, self.filter(x, slots).softmax(dim=-1)), logprobs
 
     def sample(self, logits: torch.Tensor, slots: list[int]) -> list[SampleResult]:
         """Sample one token per row of `logits` [B, V] for `slots` (row b belongs to slots[b]).
