@@ -14,6 +14,8 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
 - weights: the tensors of its layer range, plus the embedding on the first stage and the final norm and
   lm_head on the last (a tied lm_head is the embedding, loaded by the last stage too); in `engine.dtype`
   when it is set, else as stored.
+- on a CUDA stage, weights + pool as one device-memory figure (a note): the stage runner keeps its K/V
+  arrays on the device.
 - baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
   without the pool (one full context per slot plus one for a parked conversation).
 
@@ -254,6 +256,12 @@ def check(cfg: Config) -> Report:
             raise AssertionError(f"pool bytes {pool_bytes} != PoolLayout.data_nbytes {layout.data_nbytes}")
         stages.append(StageFigures(i, s.device, s.layers, weights[i] if weights else None, pool_bytes,
                                    e.n_chunks * e.chunk_cells, baseline_cells * n_layers * per_cell))
+    for s in stages:
+        if s.device.startswith("cuda"):
+            # stages/runner.py on CUDA allocates the K/V arrays in device memory (no host pool file).
+            total = "?" if s.weight_bytes is None else _gib(s.weight_bytes + s.pool_bytes)
+            notes.append(f"stage {s.index} on {s.device}: weights + pool = {total} GiB of device memory "
+                         f"(the CUDA stage keeps its K/V on the device), plus activations")
     return Report(cfg, info, kv_dtype, per_cell, baseline_cells, stages, notes)
 
 

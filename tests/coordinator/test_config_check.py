@@ -142,6 +142,10 @@ def test_dense_geometry_weights_match_transformers(tmp_path: Path) -> None:
     assert report.model.weights_from == "config.json geometry"
     assert report.stages[0].weight_bytes == size["model.embed_tokens.weight"] + in_layers(0, 24)
     assert report.stages[1].weight_bytes == in_layers(24, 48) + size["model.norm.weight"] + size["lm_head.weight"]
+    device = [n for n in report.notes if n.startswith("stage 0 on cuda:0")]
+    total = (report.stages[0].weight_bytes + 13_391_364_096) / 2**30
+    assert device == [f"stage 0 on cuda:0: weights + pool = {total:.2f} GiB of device memory "
+                      "(the CUDA stage keeps its K/V on the device), plus activations"]
 
 
 def test_layer_split_must_match_the_model(tiny: Path) -> None:
