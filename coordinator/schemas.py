@@ -1,0 +1,244 @@
+"""Request bodies of the OpenAI and Anthropic routes, as pydantic models.
+
+Rules:
+- Unknown fields are ignored (clients send many we do not use), known fields are checked: a wrong type or
+  range becomes HTTP 400 whose message names the field (`validation_message`), never FastAPI's 422.
+- Message content arrives as a string or a list of text parts; it is normalised to one string here, and any
+  other part type (images, tool blocks) is refused with a message naming it.
+- Only what the engine can do is accepted: n == 1, at most `MAX_STOPS_OPENAI` stop strings (OpenAI's own
+  limit), at most `MAX_STOPS_ANTHROPIC` stop sequences, one prompt per completion request.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .engine import SAMPLING_DEFAULTS
+
+MAX_STOPS_OPENAI = 4
+MAX_STOPS_ANTHROPIC = 16
+MAX_TOP_LOGPROBS = 20
+
+
+def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first problem of a body: "temperature: Input should be a valid number"."""
+    problems = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        problems.append((f"{loc}: {msg}" if loc else msg, loc or None))
+    first_param = problems[0][1] if problems else None
+    return "; ".join(p for p, _ in problems), first_param
+
+
+def _join_text_parts(value: Any, what: str) -> Any:
+    """A string stays; a list of {"type": "text", "text": ...} parts becomes their texts joined with "\\n"
+    (as vLLM and `tokenizer.normalize_messages` join them)."""
+    if value is None or isinstance(value, str) or not isinstance(value, list):
+        return value
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise ValueError(f"{what} part {i} must be an object")
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(f"{what} part {i} has type {kind!r}; only 'text' parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{what} part {i}: 'text' must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _stop_list(value: Any, limit: int) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > limit:
+        raise ValueError(f"at most {limit} stop strings are supported, got {len(stops)}")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------------
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    n: int | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        return _stop_list(v, MAX_STOPS_OPENAI)
+
+    def sampling(self) -> dict:
+        """The engine's sampling dict (`engine.SAMPLING_DEFAULTS` keys); unset fields keep the defaults."""
+        out = dict(SAMPLING_DEFAULTS)
+        for key in SAMPLING_DEFAULTS:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        out["top_k"] = max(0, out["top_k"])
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return _join_text_parts(v, "content")
+
+    def as_template_message(self) -> dict:
+        """The dict a chat template reads; `developer` is OpenAI's newer name for `system`."""
+        role = "system" if self.role == "developer" else self.role
+        msg = {"role": role, "content": self.content or ""}
+        if self.name:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict] | None = None
+
+    @property
+    def completion_limit(self) -> int | None:
+        """`max_completion_tokens` (the newer name) wins over `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """A string, a list of token ids, or a batch of exactly one of those."""
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if all(isinstance(x, (str, list)) for x in v):
+                if len(v) != 1:
+                    raise ValueError(f"one prompt per request is supported, got {len(v)}")
+                return v[0]
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+# ---- Anthropic ---------------------------------------------------------------------------------------
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return _join_text_parts(v, "content block")
+
+
+class _AnthropicPrompt(_Body):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | None = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_text(cls, v: Any) -> Any:
+        return _join_text_parts(v, "system block")
+
+    def template_messages(self) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        return msgs + [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class MessagesRequest(_AnthropicPrompt):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, validate_default=True)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict | None = None
+
+    @field_validator("stop_sequences", mode="after")
+    @classmethod
+    def _stops(cls, v: list[str] | None) -> list[str]:
+        return _stop_list(v, MAX_STOPS_ANTHROPIC)
+
+    def sampling(self) -> dict:
+        out = dict(SAMPLING_DEFAULTS)
+        for key in ("temperature", "top_p", "top_k"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+class CountTokensRequest(_AnthropicPrompt):
+    pass
