@@ -1,0 +1,325 @@
+"""One request's run through the engine, shared by the OpenAI and Anthropic routes.
+
+`Front` holds what every route needs (config, engine, tokenizer, metrics) and turns prompt ids plus limits
+into a `GenRequest`, refusing what cannot fit `max_context` before the engine sees it.
+`Generation` reads the engine's events and turns them into text deltas:
+
+    TokenEvent -> IncrementalDetokenizer.push -> StopStrings.feed -> Delta(text, logprobs)
+    Finished   -> flush both, record usage and finish reason
+
+Rules:
+- `start()` waits for the first event, so a refusal (EngineError before any event) is still an HTTP error
+  with its status; after that, errors arrive inside the stream.
+- The engine iterator is closed in every way out: the end, a matched stop string, an error, a client that
+  disconnects (watched on the ASGI `receive` channel, so a request still queued or prefilling is cancelled
+  too), or the task being cancelled. Closing it is what frees the slot.
+- Text that could still become a stop string is held back; a matched stop is cut and never sent.
+- Timing for the metrics: arrival -> first token (TTFT), token -> token (ITL), arrival -> end (E2E).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from pool.config import Config
+
+from .api_errors import ApiError
+from .engine import Engine, EngineError, Finished, GenRequest, TokenEvent
+from .metrics import Metrics
+from .schemas import validation_message
+from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, Tokenizer
+
+
+log = logging.getLogger("strata.api")
+
+
+class ClientGone(Exception):
+    """The client closed the connection; the request is abandoned."""
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """New text for the client, with the logprobs of the tokens that produced it."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(body: AsyncIterator[str], run: Generation) -> StreamingResponse:
+    """An SSE response; closing `run` afterwards covers a client gone before the body was first read."""
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(run.close))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Front:
+    """What every route needs; built once by `make_app`."""
+
+    cfg: Config
+    engine: Engine
+    tokenizer: Tokenizer
+    metrics: Metrics
+
+    @property
+    def served_models(self) -> list[str]:
+        """Names /v1/models lists; a request may name any of them."""
+        return [self.engine.model_name]
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.served_models:
+            raise ApiError.model_not_found(name, self.served_models)
+
+    async def parse(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body as `model`: 413 past `coordinator.max_body_bytes`, 400 for bad JSON or a bad field."""
+        limit = self.cfg.coordinator.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError.too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError.too_large(limit)
+        try:
+            data = json.loads(body)
+        except ValueError as err:  # UnicodeDecodeError is a ValueError too
+            raise ApiError.bad_request(f"the body is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ApiError.bad_request("the body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as err:
+            message, param = validation_message(err)
+            raise ApiError.bad_request(message, param=param) from None
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The rendered chat prompt as token ids; a template that refuses the messages is a 400."""
+        try:
+            return self.tokenizer.chat_ids(messages, tools=tools)
+        except ChatTemplateError as err:  # raise_exception in the template: the client's messages did it
+            raise ApiError.bad_request(str(err), param="messages") from None
+
+    def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
+                    logprobs: int = 0) -> GenRequest:
+        """A GenRequest that fits `max_context`; `max_tokens` defaults to what the prompt leaves free.
+
+        Refused here (400 `context_length_exceeded`, message naming both numbers): a prompt that fills the
+        context, or a prompt plus `max_tokens` beyond it.
+        """
+        if not prompt:
+            raise ApiError.bad_request("the prompt is empty", param="prompt")
+        limit = self.engine.max_context
+        if max_tokens is None:
+            max_tokens = limit - len(prompt)
+            if max_tokens < 1:
+                self.metrics.refused("context_length_exceeded")
+                raise EngineError(
+                    400, "context_length_exceeded",
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{len(prompt)} tokens, which leaves no room for a completion.",
+                    type="invalid_request_error", param="messages",
+                )
+        elif len(prompt) + max_tokens > limit:
+            self.metrics.refused("context_length_exceeded")
+            raise EngineError.context_length(len(prompt), max_tokens, limit)
+        for t in prompt:
+            if not 0 <= t < self.tokenizer.vocab_size:
+                raise ApiError.bad_request(f"token id {t} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                                           param="prompt")
+        return GenRequest(request_id, list(prompt), max_tokens, sampling, frozenset(self.tokenizer.eos_ids),
+                          logprobs)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Generation:
+    """Engine events -> text deltas for one request; see the module docstring for the rules."""
+
+    def __init__(self, front: Front, request: Request, gen: GenRequest, stops: list[str], arrival: float,
+                 want_logprobs: bool = False) -> None:
+        self.front, self.request, self.gen = front, request, gen
+        self.stops = list(stops)
+        self.arrival = arrival
+        self.want_logprobs = want_logprobs
+        self.finish_reason: str | None = None  # "stop" | "length" once ended normally
+        self.stop_sequence: str | None = None  # the stop string that ended it, if one did
+        self.truncated = False
+        self.prompt_tokens = len(gen.prompt)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self._detok = IncrementalDetokenizer(front.tokenizer)
+        self._stop = StopStrings(self.stops)
+        self._pending_lp: list[TokenLogprob] = []
+        self._last_token_at: float | None = None
+        self._it: Any = None
+        self._next_task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+        self._first: TokenEvent | Finished | None = None
+        self._closed = False
+        self._ended: str | None = None  # "refused" | "error" when it ended without a finish reason
+
+    # ---- the engine side ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Waits for the first event; raises EngineError (a refusal) or ClientGone, after closing."""
+        try:
+            it = self.front.engine.generate(self.gen)
+            self._it = (await it) if inspect.isawaitable(it) else it
+            self._watch = asyncio.ensure_future(_wait_disconnect(self.request))
+            self._first = await self._next()
+        except EngineError:
+            self._ended = "refused"  # not started: neither finished nor aborted
+            await self.close()
+            raise
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _anext(self) -> TokenEvent | Finished:
+        return await self._it.__anext__()
+
+    async def _next(self) -> TokenEvent | Finished | None:
+        """The next engine event, None when the iterator ends; raises ClientGone if the client leaves first."""
+        self._next_task = asyncio.ensure_future(self._anext())
+        done, _ = await asyncio.wait({self._next_task, self._watch}, return_when=asyncio.FIRST_COMPLETED)
+        if self._next_task not in done:
+            raise ClientGone()
+        task, self._next_task = self._next_task, None
+        try:
+            return task.result()
+        except StopAsyncIteration:
+            return None
+
+    async def close(self) -> None:
+        """Closes the engine iterator (frees the slot) and the disconnect watch; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._watch is not None:
+                self._watch.cancel()
+            if self._next_task is not None:
+                self._next_task.cancel()
+                await asyncio.wait({self._next_task})
+                self._next_task = None
+            if self._it is not None and hasattr(self._it, "aclose"):
+                try:
+                    await self._it.aclose()
+                except (Exception, asyncio.CancelledError):
+                    pass
+        if self.finish_reason is None and self._ended != "refused":
+            self.front.metrics.aborted(self._ended or "abort", self.completion_tokens)
+
+    # ---- the text side ---------------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas to the end; raises EngineError (mid-stream) or ClientGone. Call after `start()`."""
+        try:
+            event = self._first
+            while True:
+                if event is None:
+                    raise EngineError.internal("the engine ended a request without a Finished event")
+                if isinstance(event, Finished):
+                    tail = self._finish(event)
+                    if tail.text or tail.logprobs:
+                        yield tail
+                    return
+                delta = self._on_token(event)
+                if delta is not None:
+                    yield delta
+                if self.finish_reason is not None:  # a stop string matched: the engine request is closed
+                    self._record_end()
+                    return
+                event = await self._next()
+        except EngineError:
+            self._ended = "error"
+            raise
+        finally:
+            await self.close()
+
+    async def text(self) -> tuple[str, list[TokenLogprob]]:
+        """The whole completion at once (non-streaming routes)."""
+        parts, logprobs = [], []
+        async for d in self.deltas():
+            parts.append(d.text)
+            logprobs.extend(d.logprobs)
+        return "".join(parts), logprobs
+
+    def _on_token(self, event: TokenEvent) -> Delta | None:
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.front.metrics.first_token(now - self.arrival)
+        else:
+            self.front.metrics.token_gap(now - self._last_token_at)
+        self._last_token_at = now
+        self.completion_tokens += 1
+        if event.token in self.gen.stop_token_ids:
+            return None
+        if self.want_logprobs:
+            self._pending_lp.append(TokenLogprob(event.token, event.logprob, list(event.top or [])))
+        emit = self._feed(self._detok.push(event.token))
+        if emit or (self.finish_reason is not None and self._pending_lp):
+            return self._delta(emit)
+        return None
+
+    def _feed(self, text: str) -> str:
+        """Passes text through the stop strings; returns what may be sent, and notes a matched stop."""
+        emit, stopped = self._stop.feed(text)
+        if stopped and self.finish_reason is None:
+            self.finish_reason = "stop"
+            self.stop_sequence = self._stop.matched
+        return emit
+
+    def _delta(self, text: str) -> Delta:
+        lp, self._pending_lp = self._pending_lp, []
+        return Delta(text, lp)
+
+    def _finish(self, event: Finished) -> Delta:
+        """The engine's last event: flush the held text, take its counts as the truth."""
+        text = self._feed(self._detok.flush())
+        if self.finish_reason is None:
+            text += self._stop.flush()
+            self.finish_reason = event.reason
+        self.truncated = event.truncated
+        self.prompt_tokens = event.prompt_tokens
+        self.cached_tokens = event.cached_tokens
+        self.completion_tokens = event.completion_tokens
+        self._record_end()
+        return self._delta(text)
+
+    def _record_end(self) -> None:
+        self.front.metrics.finished(self.finish_reason or "stop", time.monotonic() - self.arrival,
+                                    self.prompt_tokens, self.cached_tokens, self.completion_tokens)
