@@ -1,0 +1,178 @@
+"""A deterministic Engine for the HTTP front's tests, and a real uvicorn server to put the front on.
+
+`FakeEngine(tokenizer)` answers every request with the same script: the tokens of `SCRIPT_TEXT`, then an
+end-of-turn token (which, like the real engine, ends the request with reason "stop" and is not yielded).
+Knobs, set by a test and put back by `reset()`:
+  refuse        an EngineError raised before the first event (a refusal)
+  fail_after    raise `fail_with` after this many tokens (an error mid-stream)
+  hang_after    after this many tokens, wait forever (until the request is cancelled)
+  truncate      end with reason "length" and truncated=True after `truncate_after` tokens
+  cached_tokens reported in Finished
+  stages_up     what health() reports
+`closed` lists the request ids whose iterator ended, for any reason (normally, closed, cancelled): the
+server runs in another thread, so tests wait on it with `wait_closed`.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator
+
+import uvicorn
+
+from coordinator.api import make_app
+from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
+from pool.config import config_from_dict
+
+SCRIPT_TEXT = "Hello there! The pool holds chunks. Done."
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, max_context: int = 256, model_name: str = "tiny-test") -> None:
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.model_name = model_name
+        self.script = tokenizer.encode(SCRIPT_TEXT)
+        self.eos = min(tokenizer.eos_ids)
+        self.requests: list[GenRequest] = []
+        self.closed: list[str] = []
+        self._cond = threading.Condition()
+        self.reset()
+
+    def reset(self) -> None:
+        self.refuse: EngineError | None = None
+        self.fail_after: int | None = None
+        self.fail_with: EngineError = EngineError.kv_pool_full(100, 0, retry_after=5)
+        self.hang_after: int | None = None
+        self.truncate_after: int | None = None
+        self.cached_tokens = 0
+        self.stages_up = [True, True]
+        self.running = 0
+        self.counters = {"evictions": 3, "refusals": {"kv_pool_full": 2}, "truncations": 1}
+        self.requests.clear()
+        with self._cond:
+            self.closed.clear()
+
+    def wait_closed(self, request_id: str, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: request_id in self.closed, timeout)
+
+    def _top(self, token: int, n: int) -> list[tuple[int, float]] | None:
+        if not n:
+            return None
+        return [(token, -0.25)] + [((token + k) % self.tokenizer.vocab_size, -1.0 - k) for k in range(1, n)]
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent | Finished]:
+        self.requests.append(req)
+        if self.refuse is not None:
+            raise self.refuse
+        self.running += 1
+        try:
+            sent = 0
+            for token in self.script + [self.eos]:
+                if sent == req.max_tokens:
+                    yield Finished("length", False, len(req.prompt), self.cached_tokens, sent)
+                    return
+                if token in req.stop_token_ids:
+                    yield Finished("stop", False, len(req.prompt), self.cached_tokens, sent)
+                    return
+                if sent == self.truncate_after:
+                    yield Finished("length", True, len(req.prompt), self.cached_tokens, sent)
+                    return
+                if sent == self.fail_after:
+                    raise self.fail_with
+                if sent == self.hang_after:
+                    await asyncio.Event().wait()
+                yield TokenEvent(token, -0.25, self._top(token, req.logprobs))
+                sent += 1
+                await asyncio.sleep(0.001)
+        finally:
+            self.running -= 1
+            with self._cond:
+                self.closed.append(req.request_id)
+                self._cond.notify_all()
+
+    def live_metrics(self) -> dict:
+        return {
+            "running": self.running,
+            "waiting": 1,
+            "kv_pool": {
+                "cells": 1024,
+                "free": 768,
+                "slots": [{"slot": 0, "state": "busy", "cells": 160, "tokens": 150},
+                          {"slot": 1, "state": "free", "cells": 0, "tokens": 0}],
+                "parked": [{"table": 2, "cells": 96, "tokens": 90}],
+            },
+            "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
+        }
+
+    def health(self) -> dict:
+        up = list(self.stages_up)
+        return {"status": "ok" if all(up) else "degraded",
+                "stages": [{"index": i, "up": u} for i, u in enumerate(up)]}
+
+    def slots(self) -> list[dict]:
+        return [{"id": 0, "is_processing": self.running > 0, "n_ctx": self.max_context}]
+
+
+@contextmanager
+def serve(app) -> Iterator[str]:
+    """Runs `app` on uvicorn on a free loopback port in a background thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def parse_sse(text: str) -> list[tuple[str | None, str]]:
+    """(event, data) per server-sent event of a raw stream body."""
+    out = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        event, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                event = line[len("event:"):].strip()
+            elif line.startswith("data:"):
+                data.append(line[len("data:"):].strip())
+        out.append((event, "\n".join(data)))
+    return out
+
+
+@dataclass
+class Stack:
+    """A front on a live server: base `url`, the fake `engine` behind it, the `app` and the tokenizer."""
+
+    url: str
+    engine: FakeEngine
+    app: Any
+    tokenizer: Any
+
+
+@contextmanager
+def running_front(tokenizer, max_context: int = 256, **coordinator: Any) -> Iterator[Stack]:
+    """make_app over a FakeEngine, served; `coordinator` keys override the config's coordinator section."""
+    engine = FakeEngine(tokenizer, max_context=max_context)
+    cfg = config_from_dict({"coordinator": coordinator})
+    app = make_app(cfg, engine, tokenizer)
+    with serve(app) as url:
+        yield Stack(url, engine, app, tokenizer)
