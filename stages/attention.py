@@ -16,6 +16,9 @@ This is the torch reference; a csrc kernel may replace either function with the 
                        query at position p sees cell j iff j <= p (and j > p - window with a sliding window);
                        GQA: query head h reads kv head h // (heads / kv_heads).
 
+Cost of the padding: scores are B x Q x L per head, so a step that mixes a long prefill piece with decodes
+pays Q rows for every decode entry (the rows are masked and dropped, never wrong). A varlen kernel avoids it.
+
 Per-step index tensors derived from the tables (cell addresses, masks) are kept in `batch.cache`: every layer
 of a step shares them, so the tables must not change while a step runs.
 """

@@ -7,6 +7,7 @@ so a read or write through a wrong cell shows up in the logits.
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -85,10 +86,11 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 class Stack:
     """One or more StageModels over consecutive layer ranges, each with its own noise-filled KVCache."""
 
-    def __init__(self, ckpt_dir, splits: list[int], kv_dtype: str = "float32", seed: int = 0):
+    def __init__(self, ckpt_dir, splits: list[int], kv_dtype: str = "float32", seed: int = 0,
+                 dtype: torch.dtype = torch.float32):
         ckpt = load_checkpoint(ckpt_dir)
         bounds = [0, *splits, ckpt.num_layers]
-        self.models = [StageModel(ckpt, a, b, "cpu", torch.float32) for a, b in zip(bounds, bounds[1:])]
+        self.models = [StageModel(ckpt, a, b, "cpu", dtype) for a, b in zip(bounds, bounds[1:])]
         g = torch.Generator().manual_seed(seed)
         self.kvs = []
         for m in self.models:
@@ -276,6 +278,27 @@ def test_int8_kv_stays_close_to_float32(hf_model):
           f"(logit std {spread:.3f}), top-1 agreement {agree:.1%}")
     assert agree >= 0.9
     assert 0 < dev < 0.25 * spread
+
+
+def test_bfloat16_error_is_no_worse_than_transformers_own(hf_model):
+    """In bfloat16 both stacks round differently; ours must stray from float32 no more than transformers does."""
+    model, path = hf_model("qwen3", "qwen3")
+    (table,) = random_tables(seed=12, sizes=[11])
+    prompt = prompt_ids(9, 100)
+    ref = Stack(path, [1])
+    ref.set_table(0, table)
+    _, tokens = run_one(ref, 0, prompt, [37, 41, 22], 64)
+    ours = Stack(path, [1], kv_dtype="bfloat16", dtype=torch.bfloat16)
+    assert ours.models[0].embed.dtype == torch.bfloat16
+    ours.set_table(0, table)
+    ours16, _ = run_one(ours, 0, prompt, [37, 41, 22], 64, forced=tokens)
+    exact = hf_logits(model, prompt + tokens)
+    theirs16 = hf_logits(copy.deepcopy(model).to(torch.bfloat16), prompt + tokens)
+    ours_err, theirs_err = (ours16 - exact).abs(), (theirs16 - exact).abs()
+    print(f"bfloat16 vs float32 logits: ours mean {ours_err.mean():.4f} max {ours_err.max():.3f}, "
+          f"transformers mean {theirs_err.mean():.4f} max {theirs_err.max():.3f}")
+    assert 0 < ours_err.mean() <= 1.5 * theirs_err.mean()
+    assert ours_err.max() <= 2 * theirs_err.max()
 
 
 def test_checkpoint_from_tiny_maker_matches_transformers(request):
