@@ -216,8 +216,11 @@ class StageLink:
 
     # ---- receiving -----------------------------------------------------------------------------------
     async def _read(self, p: _Peer, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+        while p.sock is sock:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return  # closed under us (see _watch)
             try:
                 kind, header, _ = decode(frames)
             except WireError as err:
@@ -284,10 +287,13 @@ class StageLink:
             p.state = "up"
 
     async def _watch(self, p: _Peer, sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
-        while True:
-            event = await recv_monitor_message(mon)
+        while p.sock is sock:
+            try:
+                event = await recv_monitor_message(mon)
+            except zmq.ZMQError:
+                return  # the socket was closed under us: a newer one has its own watcher
             if event["event"] == zmq.EVENT_DISCONNECTED and p.sock is sock and p.state != "down":
-                self._mark_down(p, "connection lost")
+                self._mark_down(p, "connection lost")  # closes this socket and opens the next
 
     # ---- heartbeat and failure -----------------------------------------------------------------------
     async def _beat(self) -> None:
