@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,15 @@ def word_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return values
+
+
+def peer_list(text: str) -> list[str]:
+    """Peers of `strata bench peers`: strata-N (Strata on N stages), transformers, llama.cpp."""
+    values = word_list(text)
+    for v in values:
+        if v not in ("transformers", "llama.cpp") and not re.fullmatch(r"strata-[1-9][0-9]*", v):
+            raise argparse.ArgumentTypeError(f"unknown peer {v!r}; known: strata-N (N stages), transformers, llama.cpp")
     return values
 
 
@@ -118,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--output-tokens", type=int, default=32)
     peers.add_argument("--concurrency", type=int_list, default=[1, 4])
     peers.add_argument("--threads", type=int, default=2, help="the thread budget every peer gets")
-    peers.add_argument("--peers", type=word_list, default=["strata-1", "strata-2", "transformers", "llama.cpp"])
+    peers.add_argument("--repeats", type=int, default=3, help="each wall time is the best of this many runs")
+    peers.add_argument("--peers", type=peer_list, default=["strata-1", "strata-2", "transformers", "llama.cpp"])
     peers.add_argument("--model-dir", default=None, help="reuse this checkpoint instead of building one")
-    peers.add_argument("--timeout", type=float, default=900.0, help="seconds for each peer")
     return p
 
 

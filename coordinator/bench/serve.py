@@ -75,6 +75,7 @@ class RequestResult:
     """One request as the client saw it; times are time.perf_counter() seconds."""
 
     start: float
+    end: float | None = None  # when the stream ended
     chunk_times: list[float] = field(default_factory=list)
     usage_output: int | None = None
     usage_prompt: int | None = None
@@ -83,11 +84,17 @@ class RequestResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
+        return self.error is None and (bool(self.chunk_times) or bool(self.usage_output))
 
     @property
     def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.start if self.chunk_times else None
+        """Time to the first content chunk; for a stream whose tokens carried no text yet (a detokenizer holds
+        back an incomplete UTF-8 sequence), the end of the stream, when usage says a token was generated."""
+        if self.chunk_times:
+            return self.chunk_times[0] - self.start
+        if self.usage_output and self.end is not None:
+            return self.end - self.start
+        return None
 
     @property
     def itls(self) -> list[float]:
@@ -124,8 +131,10 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def build_body(cfg: ServeConfig, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, dict[str, Any]]:
-    """The request path and JSON body; completions get the messages joined as plain text."""
+def build_body(cfg: ServeConfig, messages: list[dict[str, str]], max_tokens: int,
+               prompt_ids: list[int] | None = None) -> tuple[str, dict[str, Any]]:
+    """The request path and JSON body; completions get the messages joined as plain text. With `prompt_ids`
+    the request is a completion whose prompt is those token ids (exact prompt length on any tokenizer)."""
     body: dict[str, Any] = {
         "model": cfg.model or "default",
         "max_tokens": max_tokens,
@@ -136,6 +145,9 @@ def build_body(cfg: ServeConfig, messages: list[dict[str, str]], max_tokens: int
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     body.update(cfg.extra)
+    if prompt_ids is not None:
+        body["prompt"] = list(prompt_ids)
+        return "/v1/completions", body
     if cfg.api == "chat":
         body["messages"] = messages
         return "/v1/chat/completions", body
@@ -146,9 +158,9 @@ def build_body(cfg: ServeConfig, messages: list[dict[str, str]], max_tokens: int
 
 
 async def stream_request(client: httpx.AsyncClient, cfg: ServeConfig, messages: list[dict[str, str]],
-                         max_tokens: int) -> RequestResult:
+                         max_tokens: int, prompt_ids: list[int] | None = None) -> RequestResult:
     """Send one streamed request and time every content chunk; errors are recorded, not raised."""
-    path, body = build_body(cfg, messages, max_tokens)
+    path, body = build_body(cfg, messages, max_tokens, prompt_ids)
     res = RequestResult(start=time.perf_counter())
     try:
         async with client.stream("POST", path, json=body) as resp:
@@ -175,8 +187,9 @@ async def stream_request(client: httpx.AsyncClient, cfg: ServeConfig, messages: 
                     res.usage_prompt = usage.get("prompt_tokens")
     except httpx.HTTPError as err:
         res.error = f"{type(err).__name__}: {err}"
-    if res.error is None and not res.chunk_times:
-        res.error = "no content chunk in the stream"
+    res.end = time.perf_counter()
+    if res.error is None and not res.chunk_times and not res.usage_output:
+        res.error = "no content chunk and no usage in the stream"
     return res
 
 
@@ -217,10 +230,11 @@ def level_stats(concurrency: int, results: list[RequestResult], wall_s: float) -
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [g for r in ok for g in r.itls]
     out_tokens = sum(r.output_tokens for r in ok)
-    firsts = [r.chunk_times[0] for r in ok]
-    lasts = [r.chunk_times[-1] for r in ok]
-    decode_span = (max(lasts) - min(firsts)) if ok else 0.0
-    decode_tokens = sum(max(r.output_tokens - 1, 0) for r in ok)
+    timed = [r for r in ok if r.chunk_times]
+    firsts = [r.chunk_times[0] for r in timed]
+    lasts = [r.chunk_times[-1] for r in timed]
+    decode_span = (max(lasts) - min(firsts)) if timed else 0.0
+    decode_tokens = sum(max(r.output_tokens - 1, 0) for r in timed)
 
     def ms(v: float | None) -> float | None:
         return None if v is None else v * 1000.0
