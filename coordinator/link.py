@@ -245,6 +245,8 @@ class StageLink:
         if header.get("fatal"):
             if p.waiter is not None and not p.waiter.done():
                 p.waiter.set_exception(LinkError(f"stage {p.index} could not start: {message}"))
+            elif p.state == "down":
+                p.reason = f"fatal error: {message}"  # a restarted stage that cannot build: stays down
             else:
                 self._mark_down(p, f"fatal error: {message}")
             return

@@ -21,8 +21,9 @@ Rules:
 - An exception in a step is reported (ERROR) and the stage keeps serving. A failure to build (bad
   checkpoint, layer range outside the model) is fatal: ERROR {"fatal": true} to the coordinator (waiting a
   few seconds for it to connect if it has not), then exit status 1.
-- A HELLO with a new session (a restarted coordinator) resets the tables; every HELLO also abandons a
-  step still waiting for its hidden state (the coordinator sends HELLO only after giving up on this stage).
+- A HELLO with a new session (a restarted coordinator) resets the tables. Every HELLO also drops the
+  steps that came before it, queued or waiting for a hidden state: the coordinator sends HELLO only at
+  start or after failing every step in flight on this stage, so none of them has anyone waiting.
 - SIGTERM or SIGINT ends the loop cleanly: the compute thread stops, sockets close, bound ipc socket files
   and the pool file are removed. A crash leaves the pool file for the restarted stage to re-attach.
 - Stale ipc socket files (a crashed stage's) are removed before binding.
@@ -66,16 +67,19 @@ class _Hidden:
             self._items[step] = (header, tensors)
             self._cond.notify_all()
 
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
     def abandon(self) -> None:
-        """Wake any waiting step and make it give up (a new HELLO, or shutdown)."""
+        """Make every step queued or waiting so far give up (a HELLO came, or shutdown)."""
         with self._cond:
             self._epoch += 1
             self._cond.notify_all()
 
-    def take(self, step: int) -> tuple[dict | None, list, str | None]:
-        """(header, tensors, None) for `step`, or (None, [], why) when it will never come."""
+    def take(self, step: int, epoch: int) -> tuple[dict | None, list, str | None]:
+        """(header, tensors, None) for `step` (queued in `epoch`), or (None, [], why) when it will never come."""
         with self._cond:
-            epoch = self._epoch
             while True:
                 if step in self._items:
                     header, tensors = self._items.pop(step)
@@ -123,13 +127,15 @@ class _Compute(threading.Thread):
                 item = self.items.get()
                 if item is None:
                     break
-                kind, ident, header, tensors = item
+                kind, ident, header, tensors, epoch = item
                 if kind == HELLO:
                     self._hello(ident, header)
                 elif kind == OPS:
                     self._ops(ident, header)
+                elif kind == STEP and epoch != self.hidden.epoch:
+                    log.info("stage %d drops step %s: sent before the last HELLO", self.index, header.get("step"))
                 elif kind == STEP:
-                    self._step(ident, header, tensors)
+                    self._step(ident, header, tensors, epoch)
         finally:
             out.close(linger=-1)
 
@@ -154,7 +160,7 @@ class _Compute(threading.Thread):
             log.error("stage %d: ops refused: %s", self.index, err)
             self._to_coord(ident, ERROR, {"message": f"ops refused: {err}", "version": self.runner.version})
 
-    def _step(self, ident: bytes, header: dict, tensors: list) -> None:
+    def _step(self, ident: bytes, header: dict, tensors: list, epoch: int) -> None:
         from .tensors import from_raw, to_raw
 
         sid = header.get("step")
@@ -165,7 +171,7 @@ class _Compute(threading.Thread):
             return
         hidden = None
         if self.has_prev:
-            hidden_header, hidden_tensors, why = self.hidden.take(sid)
+            hidden_header, hidden_tensors, why = self.hidden.take(sid, epoch)
             if why is None and hidden_header.get("error"):
                 why = f"failed on an earlier stage: {hidden_header['error']}"
             if why is not None:
@@ -206,13 +212,9 @@ class _Compute(threading.Thread):
             self.out.send_multipart([b"N", *encode(HIDDEN, {"step": sid, "error": message})])
 
 
-def _ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
-
-
 def _bind(sock: zmq.Socket, endpoint: str, bound: list[Path]) -> None:
-    path = _ipc_path(endpoint)
-    if path is not None:
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://"):])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a crashed stage's socket file; connecting to it would hang
         bound.append(path)
@@ -229,21 +231,13 @@ class StageServer:
         self.ctx = zmq.Context()
         self.bound: list[Path] = []
         stage = cfg.stages[index]
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.RCVHWM, 0)
-        self.router.setsockopt(zmq.SNDHWM, 0)
+        # No high-water marks: a send never blocks the I/O thread nor drops a frame; a peer that stops
+        # reading is the link's to detect (heartbeat), not this loop's.
+        self.router = self._socket(zmq.ROUTER)
         self.results = self.ctx.socket(zmq.PAIR)
         self.results.bind("inproc://stage-results")
-        self.pull = self.push = None
-        if index > 0:
-            self.pull = self.ctx.socket(zmq.PULL)
-            self.pull.setsockopt(zmq.RCVHWM, 0)
-            self.pull.setsockopt(zmq.LINGER, 0)
-        if index < len(cfg.stages) - 1:
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.setsockopt(zmq.SNDHWM, 0)  # never drop or block: a dead next stage is the link's to detect
-            self.push.setsockopt(zmq.LINGER, 0)
+        self.pull = self._socket(zmq.PULL) if index > 0 else None
+        self.push = self._socket(zmq.PUSH) if index < len(cfg.stages) - 1 else None
         _bind(self.router, stage.endpoint, self.bound)
         if self.pull is not None:
             _bind(self.pull, stage.data, self.bound)
@@ -253,6 +247,12 @@ class StageServer:
         self.peer: bytes | None = None  # the coordinator's identity, once it has said anything
         self.fatal: str | None = None
         self.ready = False
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+            sock.setsockopt(opt, 0)
+        return sock
 
     def serve(self) -> int:
         """Run until SIGTERM (0) or a fatal build error (1)."""
@@ -320,10 +320,10 @@ class StageServer:
             elif kind == BYE:
                 log.info("stage %d: the coordinator said goodbye", self.index)
             elif kind in (HELLO, OPS, STEP):
-                if kind == HELLO:
+                if kind == HELLO:  # the coordinator has given up on every step it sent before
                     self.compute.hidden.abandon()
                 if self.fatal is None:
-                    self.compute.items.put((kind, ident, header, tensors))
+                    self.compute.items.put((kind, ident, header, tensors, self.compute.hidden.epoch))
             else:
                 self.router.send_multipart([ident, *encode(ERROR, {"message": f"a stage does not take {kind}"})])
 
@@ -349,15 +349,14 @@ class StageServer:
         self.compute.hidden.abandon()
         if self.compute.is_alive():
             self.compute.join(timeout=10)
-        runner = self.compute.runner
-        if runner is not None and not self.compute.is_alive():
-            runner.close()
+        if self.compute.runner is not None and not self.compute.is_alive():
+            self.compute.runner.close()
         self.ctx.destroy(linger=0)
         for path in self.bound:
             path.unlink(missing_ok=True)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="strata-stage", description="Strata stage: one layer range of the model")
     p.add_argument("--device", type=int, required=True, metavar="N", help="which entry of `stages:` to serve")
     p.add_argument("--config", default=None, help="box YAML (default: the embedded cpu-tiny config)")
@@ -371,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `strata-stage`; the exit status is 0 after SIGTERM, 1 after a fatal error, 2 on bad args."""
-    args = parse_args(argv)
+    args = _parse_args(argv)
     logging.basicConfig(level=os.environ.get("STRATA_LOG", "INFO"),
                         format=f"%(asctime)s stage{args.device} %(levelname)s %(message)s")
     try:

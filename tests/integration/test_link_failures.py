@@ -254,6 +254,40 @@ def test_a_frozen_stage_is_down_within_2s_and_rejoins_when_it_wakes(box):
     asyncio.run(scenario())
 
 
+def test_a_new_coordinator_is_not_held_up_by_steps_a_dead_stage_left_behind(box):
+    """Stage 1 holds two steps whose hidden states will never come (stage 0 froze, then died); the next
+    coordinator's HELLO must drop them rather than queue behind them."""
+    b = box(2)
+    b.start_all()
+
+    async def first_coordinator() -> None:
+        link = b.link()
+        await link.start(timeout=60)
+        d = b.driver(link)
+        os.kill(b.procs[0].pid, signal.SIGSTOP)
+        steps = [asyncio.create_task(d.generate(s, PROMPT, 0)) for s in (0, 1)]
+        await asyncio.sleep(0.3)
+        link.close()
+        for t in steps:
+            with pytest.raises(StageDown):
+                await t
+
+    asyncio.run(first_coordinator())
+    b.kill(0)
+    b.start(0)
+
+    async def second_coordinator() -> list[int]:
+        link = b.link()
+        await link.start(timeout=20)
+        try:
+            return await b.driver(link).generate(2, PROMPT, 2)
+        finally:
+            link.close()
+
+    assert len(asyncio.run(second_coordinator())) == 3
+    assert "drops step" in b.log(1)
+
+
 def _http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
     import json
     import urllib.error
