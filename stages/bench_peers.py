@@ -58,13 +58,15 @@ def cmd_build(args: argparse.Namespace) -> dict[str, Any]:
     from stages.tiny import make_tiny_model
 
     out = make_tiny_model(args.dir, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                          kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed, max_position=args.max_position)
+                          kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab or None,
+                          seed=args.seed, max_position=args.max_position)
     params = 0
     for f in sorted(Path(out).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 params += _numel(st.get_slice(name).get_shape())
-    return {"model_dir": str(out), "params": params}
+    vocab = json.loads((Path(out) / "config.json").read_text())["vocab_size"]
+    return {"model_dir": str(out), "params": params, "vocab": vocab}
 
 
 def _numel(shape: list[int]) -> int:
@@ -102,6 +104,78 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "greedy_ids": greedy, "threads": torch.get_num_threads()}
 
 
+GGUF_ARCHS = {"Qwen3ForCausalLM": "QWEN3", "Qwen2ForCausalLM": "QWEN2", "LlamaForCausalLM": "LLAMA"}
+
+
+def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's LLAMA arch rotates interleaved pairs; HF Llama rotates halves: reorder q/k rows as its
+    converter does. (Qwen2/Qwen3 use the halves convention in llama.cpp too: no reorder.)"""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_gguf(model_dir: str, out: Path) -> Path:
+    """Write the checkpoint as an f32 GGUF with the `gguf` package: the config as llama.cpp keys, the
+    byte-level BPE tokenizer (vocab padded to vocab_size), every tensor under llama.cpp's name."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch_cls = cfg["architectures"][0]
+    if arch_cls not in GGUF_ARCHS:
+        raise RuntimeError(f"no GGUF export for {arch_cls}; supported: {', '.join(GGUF_ARCHS)}")
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[arch_cls])
+    heads, kv_heads, n_layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    tokens, types = [], []
+    for i in range(cfg["vocab_size"]):
+        if i in special:
+            tokens.append(special[i]); types.append(gguf.TokenType.CONTROL)
+        elif i in by_id:
+            tokens.append(by_id[i]); types.append(gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]"); types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    for name, t in tensors.items():
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise RuntimeError(f"no GGUF name for tensor {name}")
+        t = t.float()
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _permute_rope(t, heads if "q_proj" in name else kv_heads)
+        w.add_tensor(target, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     try:
         import llama_cpp
@@ -109,13 +183,14 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp "
                            "from source)"}
     try:
-        from stages.gguf_export import export_gguf
-    except ImportError as err:
-        return {"skipped": f"no GGUF converter: {err}"}
+        import gguf  # noqa: F401  (the writer export_gguf uses)
+    except ImportError:
+        return {"skipped": "the gguf package (the GGUF writer) is not installed"}
     gguf_path = Path(args.gguf or Path(args.model_dir) / "model-f32.gguf")
     if not gguf_path.exists():
         export_gguf(args.model_dir, gguf_path)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    greedy: list[int] = []
     all_prompts = load_prompts(args.prompts)
     for b in args.batches:
         prompts = all_prompts[b]
@@ -125,21 +200,25 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         # llama-cpp-python's high-level API runs one sequence at a time: b prompts are run one after another,
         # which is what a client of it gets; the figure is the aggregate rate over all of them.
 
-        def gen(n: int) -> None:
+        def gen(n: int, prompts: list[list[int]] = prompts, llm: Any = llm) -> list[int]:
             for p in prompts:
-                out = 0
-                for _tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
-                    out += 1
-                    if out >= n:
+                llm.reset()  # forget the previous prompt: generate() would otherwise reuse a common prefix
+                out: list[int] = []
+                for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):  # never stops at EOS by itself
+                    out.append(tok)
+                    if len(out) >= n:
                         break
+            return out
 
         t_first = best(lambda: gen(1), args.repeats)
         t_all = best(lambda: gen(args.output_tokens), args.repeats)
+        if b == 1:
+            greedy = gen(args.output_tokens)
         rows.append({"peer": "llama.cpp", "concurrency": b, **rates(b, n_prompt, args.output_tokens,
                                                                     t_first, t_all)})
         print(f"  llama.cpp batch {b}: {rows[-1]}", file=sys.stderr, flush=True)
         del llm
-    return {"rows": rows, "version": getattr(llama_cpp, "__version__", "?"),
+    return {"rows": rows, "greedy_ids": greedy, "version": getattr(llama_cpp, "__version__", "?"),
             "note": "llama.cpp (llama-cpp-python) runs the b sequences one after another (its Python API is "
                     "single-sequence); f32 GGUF"}
 
@@ -156,7 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--vocab", type=int, default=0, help="0: the tokenizer's size")
     p.add_argument("--max-position", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", default=None, help="JSON {batch: [[ids]]} (hf, llamacpp)")

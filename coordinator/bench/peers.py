@@ -2,7 +2,8 @@
 (transformers `generate`, llama.cpp through llama-cpp-python when it is installed), same thread budget,
 same prompts. Ratios are taken against transformers, measured in the same run.
 
-    build     python -m stages.bench_peers build           a random ~100M checkpoint (qwen3, 12 layers, 768)
+    build     python -m stages.bench_peers build           a random ~100M checkpoint (qwen3, 12 layers, hidden
+                                                           768, MLP 3072, the tiny tokenizer's 512-token vocab)
     strata-N  strata up --config <tmp>/strata-N.yaml       N CPU stages on a free port, threads split evenly;
               the load generator (serve.py) sends the prompts as token ids to /v1/completions
     others    python -m stages.bench_peers hf | llamacpp   in-process, torch / llama.cpp threads = budget
@@ -143,9 +144,14 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
 
 
 def run_peers(args: argparse.Namespace) -> dict[str, Any]:
-    """Build (or reuse) the checkpoint, run every peer, and return the report result with ratios."""
+    """Build (or reuse) the checkpoint, run every peer, and return the report result with ratios. Everything
+    written on the way (checkpoint, configs, server logs, GGUF) lives in a temp dir removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="strata-peers-") as tmp:
+        return _run_peers(args, Path(tmp))
+
+
+def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     notes: list[str] = []
-    tmp = Path(tempfile.mkdtemp(prefix="strata-peers-"))
     seed = 0
     if args.model_dir:
         model_dir = args.model_dir
@@ -153,11 +159,12 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         built = run_child("stages.bench_peers", ["build", "--dir", str(tmp / "model"), "--arch", args.arch,
                                                  "--layers", str(args.layers), "--hidden", str(args.hidden),
                                                  "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+                                                 "--intermediate", str(args.intermediate),
                                                  "--vocab", str(args.vocab)])
         model_dir = built["model_dir"]
         notes.append(f"checkpoint: random {args.arch}, {args.layers} layers, hidden {args.hidden}, heads "
-                     f"{args.heads}, kv_heads {args.kv_heads}, vocab {args.vocab}: {built['params'] / 1e6:.1f}M "
-                     "parameters, float32")
+                     f"{args.heads}, kv_heads {args.kv_heads}, intermediate {args.intermediate}, vocab "
+                     f"{built['vocab']}: {built['params'] / 1e6:.1f}M parameters, float32")
     prompts = {b: prompt_ids(seed, b, args.prompt_tokens) for b in sorted(set(args.concurrency) | {1})}
     prompts_path = tmp / "prompts.json"
     prompts_path.write_text(json.dumps({str(b): p for b, p in prompts.items()}))
@@ -166,6 +173,7 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
              "--repeats", str(args.repeats)]
     rows: list[dict[str, Any]] = []
     hf_greedy: list[int] = []
+    llama_greedy: list[int] = []
     for peer in args.peers:
         print(f"peer {peer} ...", file=sys.stderr, flush=True)
         try:
@@ -174,12 +182,13 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
                 rows += out["rows"]
                 hf_greedy = out["greedy_ids"]
             elif peer == "llama.cpp":
-                out = run_child("stages.bench_peers", ["llamacpp", *sizes])
+                out = run_child("stages.bench_peers", ["llamacpp", *sizes, "--gguf", str(tmp / "model-f32.gguf")])
                 if "skipped" in out:
                     notes.append(f"llama.cpp skipped: {out['skipped']}")
                 else:
                     rows += out["rows"]
                     notes.append(out.get("note", ""))
+                    llama_greedy = out.get("greedy_ids", [])
             elif peer.startswith("strata-") and peer[7:].isdigit():
                 rows += run_strata_peer(args, peer, model_dir, tmp, prompts, notes)
             else:
@@ -199,6 +208,10 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         expected = Tokenizer.from_dir(Path(model_dir)).decode(hf_greedy)
         same = all(t == expected for t in texts)
         notes.append(f"greedy check: Strata's first {args.output_tokens} greedy tokens "
+                     f"{'equal' if same else 'DIFFER from'} transformers' for the same prompt (compared as text)")
+    if hf_greedy and llama_greedy:
+        same = llama_greedy == hf_greedy[:len(llama_greedy)]
+        notes.append(f"greedy check: llama.cpp's first {len(llama_greedy)} greedy token ids "
                      f"{'equal' if same else 'DIFFER from'} transformers' for the same prompt")
     notes += [
         f"prompts: {args.prompt_tokens} random token ids each (seeded), {args.output_tokens} tokens generated, "
