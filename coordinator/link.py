@@ -42,6 +42,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from pool.config import Config
+from pool.logs import event
 from pool.wire import BYE, ERROR, HELLO, OPS, PING, PONG, PROTOCOL, RESULT, STEP, RawTensor, WireError, decode, encode
 
 log = logging.getLogger("strata.link")
@@ -176,7 +177,8 @@ class StageLink:
             p.state, p.reason, p.last_seen = "up", "", now
         self._started = True
         self._heartbeat = asyncio.create_task(self._beat(), name="stage-heartbeat")
-        log.info("stages up: %s", ", ".join(f"{p.index}:{p.hello['layers']}@{p.hello['device']}" for p in self._peers))
+        event(log, "stages.up", stages=[{"layers": p.hello["layers"], "device": p.hello["device"], "pid": p.hello["pid"]}
+                                        for p in self._peers], session=self.session)
 
     def _open(self, p: _Peer) -> None:
         """A fresh DEALER (and monitor) to stage p, with HELLO queued first on it."""
@@ -224,7 +226,7 @@ class StageLink:
             try:
                 kind, header, _ = decode(frames)
             except WireError as err:
-                log.warning("stage %d sent a malformed message: %s", p.index, err)
+                event(log, "stage.malformed", logging.WARNING, stage=p.index, message=str(err))
                 continue
             p.last_seen = time.monotonic()
             if kind == PONG:
@@ -238,7 +240,7 @@ class StageLink:
             elif kind == HELLO:
                 self._on_hello(p, header)
             else:
-                log.warning("stage %d sent an unexpected %s", p.index, kind)
+                event(log, "stage.unexpected", logging.WARNING, stage=p.index, kind=kind)
 
     def _on_error(self, p: _Peer, header: dict) -> None:
         message = str(header.get("message", "unknown error"))
@@ -255,7 +257,7 @@ class StageLink:
         if fut is not None and not fut.done():
             fut.set_exception(StepFailed(step, p.index, message))
         elif step is None:
-            log.warning("stage %d: %s", p.index, message)
+            event(log, "stage.error", logging.WARNING, stage=p.index, message=message)
 
     def _on_hello(self, p: _Peer, header: dict) -> None:
         if p.waiter is not None:
@@ -269,11 +271,11 @@ class StageLink:
             check_hellos(hellos, self.cfg.fingerprint())
         except LinkError as err:
             if p.reason != str(err):
-                log.error("stage %d answered but cannot rejoin: %s", p.index, err)
+                event(log, "stage.refused", logging.ERROR, stage=p.index, reason=str(err))
             p.reason = str(err)
             return
         p.hello, p.state, p.reason, p.last_seen = header, "joining", "", time.monotonic()
-        log.info("stage %d is back (pid %s), rejoining", p.index, header.get("pid"))
+        event(log, "stage.back", stage=p.index, pid=header.get("pid"))
         if self.on_stage_up is None:
             p.state = "up"
             return
@@ -318,7 +320,7 @@ class StageLink:
         """Fail everything in flight, tell the scheduler, and start asking the stage to come back."""
         if p.state == "down" or self._closed:
             return
-        log.error("stage %d is down: %s", p.index, reason)
+        event(log, "stage.down", logging.ERROR, stage=p.index, reason=reason)
         p.state, p.reason, p.pong = "down", reason, {}
         err = StageDown(p.index, reason)
         for fut in self._inflight.values():

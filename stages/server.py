@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import queue
 import signal
 import sys
@@ -46,6 +45,7 @@ from typing import Any
 import zmq
 
 from pool.config import Config, ConfigError, load_config
+from pool.logs import event, setup_logging
 from pool.wire import BYE, ERROR, HELLO, HIDDEN, OPS, PING, PONG, RESULT, STEP, WireError, decode, encode
 
 log = logging.getLogger("strata.stage")
@@ -116,8 +116,7 @@ class _Compute(threading.Thread):
         try:
             self.runner = self.build()
         except Exception as err:  # noqa: BLE001 - any failure to build is reported to the peer, then fatal
-            log.error("stage %d failed to build: %s", self.index, err)
-            log.debug("%s", traceback.format_exc())
+            event(log, "stage.build_failed", logging.ERROR, stage=self.index, message=str(err))
             out.send_multipart([b"F", str(err).encode()])
             out.close(linger=-1)
             return
@@ -133,7 +132,7 @@ class _Compute(threading.Thread):
                 elif kind == OPS:
                     self._ops(ident, header)
                 elif kind == STEP and epoch != self.hidden.epoch:
-                    log.info("stage %d drops step %s: sent before the last HELLO", self.index, header.get("step"))
+                    event(log, "step.dropped", stage=self.index, step=header.get("step"), why="sent before a HELLO")
                 elif kind == STEP:
                     self._step(ident, header, tensors, epoch)
         finally:
@@ -157,7 +156,7 @@ class _Compute(threading.Thread):
                 for op in header["ops"]:
                     self.runner.apply(op)
         except Exception as err:  # noqa: BLE001 - a refused op is reported; the next step will be refused too
-            log.error("stage %d: ops refused: %s", self.index, err)
+            event(log, "ops.refused", logging.ERROR, stage=self.index, message=str(err))
             self._to_coord(ident, ERROR, {"message": f"ops refused: {err}", "version": self.runner.version})
 
     def _step(self, ident: bytes, header: dict, tensors: list, epoch: int) -> None:
@@ -175,7 +174,7 @@ class _Compute(threading.Thread):
             if why is None and hidden_header.get("error"):
                 why = f"failed on an earlier stage: {hidden_header['error']}"
             if why is not None:
-                log.warning("stage %d drops step %s: %s", self.index, sid, why)
+                event(log, "step.dropped", logging.WARNING, stage=self.index, step=sid, why=why)
                 self._pass_error(sid, why)
                 return
             hidden = from_raw(hidden_tensors[0])
@@ -201,9 +200,10 @@ class _Compute(threading.Thread):
         refused = isinstance(err, StaleStep)
         self.stats["steps_refused" if refused else "steps_failed"] += 1
         if refused:
-            log.warning("stage %d: %s", self.index, err)
+            event(log, "step.refused", logging.WARNING, stage=self.index, step=sid, message=str(err))
         else:
-            log.error("stage %d: step %s failed: %s\n%s", self.index, sid, err, traceback.format_exc())
+            event(log, "step.failed", logging.ERROR, stage=self.index, step=sid, message=str(err),
+                  exc=traceback.format_exc())
         self._to_coord(ident, ERROR, {"step": sid, "message": str(err), "refused": refused})
         self._pass_error(sid, str(err))
 
@@ -292,10 +292,10 @@ class StageServer:
                 try:
                     self.push.send_multipart(frames[1:], zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    log.warning("stage %d: the next stage is not connected; hidden state dropped", self.index)
+                    event(log, "hidden.dropped", logging.WARNING, stage=self.index, why="next stage not connected")
             elif dest == b"R":
                 self.ready = True
-                log.info("stage %d ready: %s", self.index, self.compute.runner.describe())
+                event(log, "stage.ready", stage=self.index, detail=self.compute.runner.describe())
             elif dest == b"F":
                 self.fatal = frames[1].bytes.decode()
 
@@ -318,7 +318,7 @@ class StageServer:
                         **self.compute.stats}
                 self.router.send_multipart([ident, *encode(PONG, pong)])
             elif kind == BYE:
-                log.info("stage %d: the coordinator said goodbye", self.index)
+                event(log, "stage.bye", stage=self.index, session=header.get("session"))
             elif kind in (HELLO, OPS, STEP):
                 if kind == HELLO:  # the coordinator has given up on every step it sent before
                     self.compute.hidden.abandon()
@@ -338,7 +338,7 @@ class StageServer:
                 if kind != HIDDEN or not isinstance(header.get("step"), int):
                     raise WireError(f"expected HIDDEN with a step id, got {kind}")
             except WireError as err:
-                log.warning("stage %d: bad message from the previous stage: %s", self.index, err)
+                event(log, "hidden.malformed", logging.WARNING, stage=self.index, message=str(err))
                 continue
             self.compute.hidden.put(header["step"], header, tensors)
 
@@ -371,8 +371,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `strata-stage`; the exit status is 0 after SIGTERM, 1 after a fatal error, 2 on bad args."""
     args = _parse_args(argv)
-    logging.basicConfig(level=os.environ.get("STRATA_LOG", "INFO"),
-                        format=f"%(asctime)s stage{args.device} %(levelname)s %(message)s")
+    setup_logging(f"stage{args.device}")
     try:
         from pool.config import default_config_path
 

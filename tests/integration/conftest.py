@@ -76,10 +76,15 @@ class Box:
         self.data = {"model": str(model), "engine": eng, "stages": stages,
                      "coordinator": {"heartbeat_ms": 100, "stage_timeout_ms": 1500}}
         self.path = root / "box.yaml"
-        self.path.write_text(yaml.safe_dump(self.data))
-        self.cfg: Config = load_config(self.path)
+        self.rewrite()
         self.procs: dict[int, subprocess.Popen] = {}
         self.links: list[StageLink] = []
+
+    def rewrite(self, **changes: object) -> None:
+        """Replace top-level keys of this box's own config (before its stages start)."""
+        self.data.update(changes)
+        self.path.write_text(yaml.safe_dump(self.data))
+        self.cfg = load_config(self.path)
 
     def write_variant(self, name: str, **changes: object) -> Path:
         """Another config file: this one with top-level keys replaced (e.g. stages=[...])."""

@@ -3,17 +3,23 @@ a killed stage, a frozen stage, and `strata up` restarting a stage that died."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from coordinator.link import LinkError, StageDown, StepFailed, check_hellos
+from pool.config import load_config
+from pool.memory import default_path
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77]
 GREEDY = {"temperature": 0.0}
@@ -81,8 +87,6 @@ def test_mismatched_stages_are_refused_with_the_reason(box, tiny_model_factory):
         assert ok(message), (case, message, b.log(1)[-2000:])
     # Both stages agree, but the coordinator runs another config.
     _restart(b, 1)
-    from pool.config import load_config
-
     message = asyncio.run(expect_refusal(b, load_config(b.path, ["engine.max_waiting=7"])))
     assert re.fullmatch(r"stage 0 has config fp [0-9a-f]{16}, the coordinator has [0-9a-f]{16}", message), message
     # And the same processes serve a matching coordinator afterwards (a new session each time).
@@ -223,11 +227,7 @@ def test_a_killed_stage_fails_the_step_in_flight_and_rejoins_when_restarted(box)
 def test_a_frozen_stage_is_down_within_2s_and_rejoins_when_it_wakes(box):
     """SIGSTOP: the socket stays connected, only the heartbeat can tell. SIGCONT: the same process rejoins."""
     b = box(2)
-    b.data["coordinator"] = {}  # the defaults: heartbeat 250 ms, timeout 1500 ms
-    b.path.write_text(__import__("yaml").safe_dump(b.data))
-    from pool.config import load_config
-
-    b.cfg = load_config(b.path)
+    b.rewrite(coordinator={})  # the defaults: heartbeat 250 ms, timeout 1500 ms
     assert (b.cfg.coordinator.heartbeat_ms, b.cfg.coordinator.stage_timeout_ms) == (250, 1500)
     b.start_all()
 
@@ -285,14 +285,10 @@ def test_a_new_coordinator_is_not_held_up_by_steps_a_dead_stage_left_behind(box)
             link.close()
 
     assert len(asyncio.run(second_coordinator())) == 3
-    assert "drops step" in b.log(1)
+    assert "event=step.dropped" in b.log(1)
 
 
 def _http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
                                  headers={"content-type": "application/json"})
@@ -321,17 +317,12 @@ def _procs_under(root: Path) -> list[int]:
 
 
 def test_strata_up_restarts_a_dead_stage_and_stops_everything(box):
-    import socket
-
     b = box(2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = b.write_variant("up", coordinator={"port": port})
     log = b.root / "up.log"
-    from pool.config import load_config
-    from pool.memory import default_path
-
     fp = load_config(path).fingerprint()
     pool_files = [default_path(f"{fp}-stage{i}") for i in range(2)]
     with open(log, "wb") as out:

@@ -11,7 +11,7 @@ import torch
 
 from pool.chunk_map import ChunkMap, OpGap, StaticMap
 from pool.config import Config, ConfigError, config_from_dict
-from pool.memory import PoolLayout, PoolMemory
+from pool.memory import PoolMemory
 from stages.checkpoint import load_checkpoint
 from stages.runner import StageRunner, StaleStep
 from stages.tensors import pool_array
