@@ -122,10 +122,7 @@ class _Compute(threading.Thread):
             return
         out.send_multipart([b"R"])
         try:
-            while True:
-                item = self.items.get()
-                if item is None:
-                    break
+            while (item := self.items.get()) is not None:
                 kind, ident, header, tensors, epoch = item
                 if kind == HELLO:
                     self._hello(ident, header)
@@ -135,6 +132,10 @@ class _Compute(threading.Thread):
                     event(log, "step.dropped", stage=self.index, step=header.get("step"), why="sent before a HELLO")
                 elif kind == STEP:
                     self._step(ident, header, tensors, epoch)
+        except Exception as err:  # noqa: BLE001 - steps catch their own errors; this is a bug: fatal, not silent
+            event(log, "stage.compute_failed", logging.ERROR, stage=self.index, message=str(err),
+                  exc=traceback.format_exc())
+            out.send_multipart([b"F", f"compute thread failed: {err}".encode()])
         finally:
             out.close(linger=-1)
 
