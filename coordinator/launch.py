@@ -20,7 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from pool.config import ConfigError, load_config
 
@@ -51,7 +52,7 @@ class Child:
     started: float = 0.0
     backoff: float = BACKOFF_MIN_S
     due: float = 0.0  # when a dead child may start again
-    restarts: int = field(default=0)
+    restarts: int = 0
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, start_new_session=True)
@@ -68,7 +69,7 @@ class Child:
 class Supervisor:
     """Starts children, restarts the ones marked `restart` when they die, stops them all on request."""
 
-    def __init__(self, log=print) -> None:
+    def __init__(self, log: Callable[[str], object] = print) -> None:
         self.children: list[Child] = []
         self.stopping = False
         self.log = log
