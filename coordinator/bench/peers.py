@@ -1,6 +1,6 @@
 """`strata bench peers`: one checkpoint, served by Strata (1 stage and 2 stages) and run by its peers
 (transformers `generate`, llama.cpp through llama-cpp-python when it is installed), same thread budget,
-same prompts. Ratios are taken against transformers, measured in the same run.
+prompts of the same length. Ratios are taken against transformers, measured in the same run.
 
     build     python -m stages.bench_peers build           a random ~100M checkpoint (qwen3, 12 layers, hidden
                                                            768, MLP 3072, the tiny tokenizer's 512-token vocab)
@@ -14,7 +14,8 @@ generating M tokens each:
     prefill tok/s = b * P / t1            t1: wall time for b requests sent together with max_tokens 1 to finish
     decode tok/s  = (sum n_i - b) / (tM - t1)   tM: the same with max_tokens M (n_i generated, from usage)
 each wall time the best of the repeats; exactly how transformers' and llama.cpp's figures are taken, so the
-ratios compare like with like. (Streamed content chunks are no clock here: a random model's tokens are often
+ratios compare like with like. Every timed Strata batch sends prompts it has never seen: Strata keeps
+finished conversations and would otherwise serve a repeated prompt from its cache (no prefill at all). (Streamed content chunks are no clock here: a random model's tokens are often
 incomplete UTF-8 that the detokenizer holds back, so one chunk may carry several tokens.)
 The coordinator process also needs some CPU; it is not counted in the thread budget (it runs no model).
 """
@@ -114,8 +115,14 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
     batch of requests takes to finish; returns the rows and the text of the first greedy completion."""
     cfg = ServeConfig(url=url, model=None, api="completions", output_tokens=output_tokens, timeout_s=600.0)
 
-    async def batch(ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        """Wall seconds for all requests of `ids` sent together to finish, and their generated tokens."""
+    fresh = iter(range(1, 1 << 30))
+
+    async def batch(b: int, max_tokens: int) -> tuple[float, int]:
+        """Wall seconds for b requests sent together to finish, and their generated tokens. Every call sends
+        prompts never sent before (same length, another seed): Strata keeps finished conversations and would
+        read a repeated prompt from its cache instead of computing it."""
+        length = len(prompts[b][0])
+        ids = prompt_ids(next(fresh), b, length)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_request(client, cfg, [], max_tokens, prompt_ids=p) for p in ids))
         wall = time.perf_counter() - t0
@@ -124,8 +131,8 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
             raise RuntimeError(f"strata at {url}: {failed[0]}")
         return wall, sum(r.output_tokens for r in results)
 
-    async def best(ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        return min([await batch(ids, max_tokens) for _ in range(repeats)], key=lambda x: x[0])
+    async def best(b: int, max_tokens: int) -> tuple[float, int]:
+        return min([await batch(b, max_tokens) for _ in range(repeats)], key=lambda x: x[0])
 
     rows = []
     async with make_client(cfg, max(concurrency)) as client:
@@ -134,8 +141,8 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
         if not greedy.ok:
             raise RuntimeError(f"strata at {url}: {greedy.error}")
         for b in concurrency:
-            t_first, _ = await best(prompts[b], 1)
-            t_all, n_out = await best(prompts[b], output_tokens)
+            t_first, _ = await best(b, 1)
+            t_all, n_out = await best(b, output_tokens)
             n_prompt = sum(len(p) for p in prompts[b])
             rows.append({"concurrency": b, "prefill_tok_s": n_prompt / t_first,
                          "decode_tok_s": ratio(n_out - b, t_all - t_first), "ttft_ms": t_first * 1e3,
@@ -253,6 +260,7 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
 
 
 def prompt_ids(seed: int, batch: int, length: int) -> list[list[int]]:
-    """`batch` prompts of `length` random ordinary token ids (seeded): every peer gets exactly these."""
+    """`batch` prompts of `length` random ordinary token ids (seeded). The in-process peers get the seed-0
+    prompts; Strata gets those for the greedy check and fresh seeds for every timed batch."""
     rng = random.Random(f"{seed}-{batch}-{length}")
     return [[rng.randrange(ORDINARY_TOKENS) for _ in range(length)] for _ in range(batch)]
