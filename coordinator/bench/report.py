@@ -102,9 +102,25 @@ def _series_key(row: dict[str, Any], fields: Sequence[str]) -> str:
     return " ".join(str(row.get(f)) for f in fields) if fields else ""
 
 
+def _bars(ax: Any, rows: list[dict[str, Any]], groups: dict[str, list[dict[str, Any]]], x_field: str,
+          y_fields: Sequence[str], series: Sequence[str]) -> None:
+    """Grouped bars: one group per x value (in row order), one bar per (series value, y column) inside it."""
+    cats = list(dict.fromkeys(str(r[x_field]) for r in rows))
+    bars = [(name, y) for name in groups for y in y_fields]
+    width = 0.8 / max(1, len(bars))
+    for k, (name, y_field) in enumerate(bars):
+        by_cat = {str(r[x_field]): r.get(y_field) for r in groups[name]}
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i, c in enumerate(cats) if by_cat.get(c) is not None]
+        ys = [by_cat[c] for c in cats if by_cat.get(c) is not None]
+        label = " ".join(f"{f}={v}" for f, v in zip(series, name.split(" "))) if series else y_field
+        ax.bar(xs, ys, width=width, label=label if len(y_fields) == 1 else f"{label} {y_field}")
+    ax.set_xticks(range(len(cats)), cats, rotation=15)
+
+
 def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     """Draw result["plot"] to `path` (PNG, matplotlib's Agg backend, no display needed). One panel per entry of
-    plot["panels"]; in each, one line per (series value, y column). None when the result has no plot."""
+    plot["panels"]; in each, one line per (series value, y column), or grouped bars for a panel of kind "bar".
+    None when the result has no plot."""
     spec = result.get("plot")
     rows = result.get("rows") or []
     if not spec or not rows:
@@ -121,17 +137,16 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
         groups: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             groups.setdefault(_series_key(row, series), []).append(row)
-        for name, group in groups.items():
-            for y_field in panel["y"]:
-                pts = [(r[x_field], r[y_field]) for r in group if r.get(y_field) is not None and r.get(x_field) is not None]
-                if not pts:
-                    continue
-                label = f"{name} {y_field}".strip()
-                if panel.get("kind") == "bar":
-                    ax.bar([str(p[0]) + (f"\n{name}" if name else "") for p in pts], [p[1] for p in pts], label=label)
-                else:
-                    pts.sort(key=lambda p: p[0])
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        if panel.get("kind") == "bar":
+            _bars(ax, rows, groups, x_field, panel["y"], series)
+        else:
+            for name, group in groups.items():
+                for y_field in panel["y"]:
+                    pts = sorted((r[x_field], r[y_field]) for r in group
+                                 if r.get(y_field) is not None and r.get(x_field) is not None)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                label=f"{name} {y_field}".strip())
         if spec.get("logx") and panel.get("kind") != "bar":
             ax.set_xscale("log", base=2)
         if panel.get("logy"):
