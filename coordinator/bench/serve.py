@@ -331,12 +331,13 @@ async def run_serve(cfg: ServeConfig, concurrency: list[int], requests: int | No
         "times from the client: TTFT = first content chunk, ITL = gap between content chunks; "
         "decode_tok_s = sum(n-1) / (last chunk - first first chunk)",
     ]
+    tables = []
     if appended is not None:
-        notes.append(
-            f"appended turn ({appended['long_tokens']}-token conversation + {appended['question_tokens']}-token "
-            f"question, median of {appended['trials']}): held TTFT {appended['held_ttft_ms']} ms, cold TTFT "
-            f"{appended['cold_ttft_ms']} ms, cold/held = {appended['cold_over_held']}"
-        )
+        tables.append({"title": "appended turn: a short question after a held long conversation vs the same shape "
+                                f"cold (median of {appended['trials']})",
+                       "columns": ["long_tokens", "question_tokens", "held_ttft_ms", "cold_ttft_ms", "cold_over_held",
+                                   "errors"],
+                       "rows": [appended]})
     return {
         "bench": "serve",
         "config": {"url": cfg.url, "model": cfg.model, "api": cfg.api, "prompt_tokens": cfg.prompt_tokens,
@@ -344,6 +345,7 @@ async def run_serve(cfg: ServeConfig, concurrency: list[int], requests: int | No
         "columns": ["concurrency", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
                     "out_tok_s", "decode_tok_s", "req_s"],
         "rows": rows,
+        "tables": tables,
         "appended_turn": appended,
         "plot": {"x": "concurrency", "xlabel": "concurrent requests", "panels": [
             {"y": ["ttft_p50_ms", "ttft_p90_ms"], "ylabel": "TTFT (ms)"},

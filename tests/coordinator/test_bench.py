@@ -285,7 +285,7 @@ def test_cli_serve_writes_files(fake_server, tmp_path: Path, capsys) -> None:  #
     assert [r["concurrency"] for r in data["rows"]] == [1, 2] and data["machine"]["cpus"] >= 1
     assert (tmp_path / "serve.png").exists()
     out = capsys.readouterr().out
-    assert "ttft_p50_ms" in out and "appended turn" in out
+    assert "ttft_p50_ms" in out and "appended turn" in out and "cold_over_held" in out
 
 
 def test_cli_serve_unreachable_server_fails_cleanly(tmp_path: Path, capsys) -> None:  # noqa: ANN001
