@@ -2,7 +2,7 @@
 (transformers, and llama.cpp through llama-cpp-python). `coordinator.bench.peers` runs this module as child
 processes and serves the same checkpoint with Strata over HTTP itself.
 
-    python -m stages.bench_peers build  --dir D [geometry]       -> {"model_dir", "params"}
+    python -m stages.bench_peers build  --dir D [geometry]       -> {"model_dir", "params", "vocab"}
     python -m stages.bench_peers hf     --model-dir D [sizes]    -> {"rows": [...], "greedy_ids": [...]}
     python -m stages.bench_peers llamacpp --model-dir D [sizes]  -> {"rows": [...]} or {"skipped": reason}
 
@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from stages.bench_pool import write_result
-
+from stages.bench_pool import timeit, write_result
 
 
 def load_prompts(path: str) -> dict[int, list[list[int]]]:
@@ -35,18 +33,8 @@ def load_prompts(path: str) -> dict[int, list[list[int]]]:
     return {int(b): p for b, p in json.loads(Path(path).read_text()).items()}
 
 
-def best(fn: Callable[[], Any], repeats: int) -> float:
-    """Least wall time of `fn()` over `repeats` runs after one warm-up (seconds)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def rates(batch: int, prompt: int, new: int, t_first: float, t_all: float) -> dict[str, Any]:
+    """Prefill and decode tok/s from the best times to generate 1 and `new` tokens (module docstring)."""
     return {"prefill_tok_s": batch * prompt / t_first,
             "decode_tok_s": batch * (new - 1) / (t_all - t_first) if t_all > t_first else None,
             "ttft_ms": t_first * 1e3}
@@ -94,8 +82,8 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
                 return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0, eos_token_id=eos)
 
-        t_first = best(lambda: gen(1), args.repeats)
-        t_all = best(lambda: gen(args.output_tokens), args.repeats)
+        t_first = timeit(lambda: gen(1), args.repeats)
+        t_all = timeit(lambda: gen(args.output_tokens), args.repeats)
         if b == 1:
             greedy = gen(args.output_tokens)[0, n_prompt:].tolist()
         rows.append({"peer": "transformers", "concurrency": b, **rates(b, n_prompt, args.output_tokens,
@@ -210,8 +198,8 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
                         break
             return out
 
-        t_first = best(lambda: gen(1), args.repeats)
-        t_all = best(lambda: gen(args.output_tokens), args.repeats)
+        t_first = timeit(lambda: gen(1), args.repeats)
+        t_all = timeit(lambda: gen(args.output_tokens), args.repeats)
         if b == 1:
             greedy = gen(args.output_tokens)
         rows.append({"peer": "llama.cpp", "concurrency": b, **rates(b, n_prompt, args.output_tokens,
