@@ -172,7 +172,11 @@ def write_report(result: dict[str, Any], out_dir: str | Path, plot: bool = True)
     paths = {"json": out / f"{name}.json"}
     paths["json"].write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
     if plot:
-        png = write_plot(result, out / f"{name}.png")
+        try:
+            png = write_plot(result, out / f"{name}.png")
+        except ImportError:  # matplotlib comes with the `bench` extra; the table and JSON do not need it
+            print("no PNG: matplotlib is not installed (pip install -e '.[bench]')")
+            png = None
         if png is not None:
             paths["png"] = png
     return paths
