@@ -341,8 +341,12 @@ class StageLink:
             if p.state != "down" and p.sock is not None:
                 self._send(p, frames)
 
-    async def step(self, header: dict, tokens: list[int]) -> dict:
-        """Run one step on every stage; the last stage's RESULT header (tokens as [[slot, token, logprob, top]])."""
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        """Send one step to every stage now (in order with the ops sent before it); the future gets the last
+        stage's RESULT header (tokens as [[slot, token, logprob, top]]) or fails with StageDown/StepFailed.
+
+        Sending is synchronous on purpose: the scheduler sends the ops of the next step right after, and a step
+        must be on the wire before any op that follows it."""
         for p in self._peers:
             if p.state != "up":
                 raise StageDown(p.index, p.reason or p.state)
@@ -353,14 +357,16 @@ class StageLink:
         self._last_step = sid
         fut = asyncio.get_running_loop().create_future()
         self._inflight[sid] = fut
+        fut.add_done_callback(lambda _f: self._inflight.pop(sid, None))
         ids = array.array("i", tokens)
         frames = encode(STEP, header, [RawTensor("int32", (len(ids),), memoryview(ids))])
-        try:
-            for p in self._peers:
-                self._send(p, frames)
-            return await fut
-        finally:
-            del self._inflight[sid]
+        for p in self._peers:
+            self._send(p, frames)
+        return fut
+
+    async def step(self, header: dict, tokens: list[int]) -> dict:
+        """`submit` and wait for the result."""
+        return await self.submit(header, tokens)
 
     def close(self) -> None:
         """Say BYE to every stage and drop the sockets; steps still in flight fail with StageDown."""

@@ -169,6 +169,28 @@ class Scheduler:
             )
         return out
 
+    def flush_cache(self) -> int:
+        """Give back every idle held conversation's cells (slots and parked tables); returns cells freed."""
+        before = self.map.free_cells
+        for table in list(self.held):
+            self.held.pop(table)
+            self.map.release(table)
+            if table >= self.parallel:
+                self.map.drop_table(table)
+        self._wake.set()
+        return self.map.free_cells - before
+
+    def erase_slot(self, slot: int) -> int:
+        """Drop the conversation held by an idle slot (llama.cpp `POST /slots/{id}?action=erase`)."""
+        if not 0 <= slot < self.parallel:
+            raise EngineError.invalid(f"slot {slot} does not exist (0..{self.parallel - 1})", param="id")
+        if self.jobs[slot] is not None:
+            raise EngineError(409, "slot_busy", f"slot {slot} is processing a request", type="invalid_request_error")
+        conv = self.held.pop(slot, None)
+        self.map.release(slot)
+        self._wake.set()
+        return len(conv.tokens) if conv else 0
+
     # ---- admission -------------------------------------------------------------------------------
     def _refused(self, code: str) -> None:
         self.counters["refusals"][code] = self.counters["refusals"].get(code, 0) + 1
@@ -309,13 +331,19 @@ class Scheduler:
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
         return header, tokens, members
 
-    async def _run_step(self, header: dict, tokens: list[int], members: list[Job]) -> None:
+    async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job]) -> None:
         try:
-            result = await self.link.step(header, tokens)
+            result = await fut
         except (StageDown, StepFailed) as err:
             for job in members:
                 job.in_flight = False
                 self._fail(job, EngineError.stage_down(str(err)))
+            return
+        except Exception as err:  # noqa: BLE001 - a broken step must end its requests, never hang them
+            log.exception("step %s failed", header["step"])
+            for job in members:
+                job.in_flight = False
+                self._fail(job, EngineError.internal(f"step failed: {err}"))
             return
         finally:
             self.in_flight -= 1
@@ -390,6 +418,13 @@ class Scheduler:
             self._evict(table)
 
     def _stage_up(self, index: int) -> None:
+        """A (re)joined stage gets the whole table state; pending ops go to the others first, so the
+        snapshot and the other stages' mirrors stand at the same version."""
+        pending = self.map.drain_ops()
+        if pending:
+            for i in range(len(self.cfg.stages)):
+                if i != index:
+                    self.link.send_ops(pending, stage=i)
         self.link.send_ops(self.map.snapshot_ops(), stage=index, snapshot=True)
         self._wake.set()
 
@@ -408,10 +443,16 @@ class Scheduler:
                 if built is None:
                     break
                 header, tokens, members = built
+                try:
+                    fut = self.link.submit(header, tokens)  # on the wire before any later op
+                except StageDown as err:
+                    for job in members:
+                        self._fail(job, EngineError.stage_down(str(err)))
+                    continue
                 for job in members:
                     job.in_flight = True
                 self.in_flight += 1
-                asyncio.create_task(self._run_step(header, tokens, members))
+                asyncio.create_task(self._run_step(header, fut, members))
             ops = self.map.drain_ops()
             if ops:
                 self.link.send_ops(ops)

@@ -1,0 +1,268 @@
+"""Scheduler decisions on the real chunk map, against a link that keeps token ids in cells.
+
+`CellLink` stands in for the stages: it applies the scheduler's table ops to a `TableMirror` (refusing any gap),
+writes each step's token ids into cells through the slot's table and derives the "sampled" token from the ids it
+reads back through the table. A wrong table, a stale op, a move that loses bytes or a prefix reused from the wrong
+conversation all change the tokens, so these tests compare against solo runs token for token.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
+from coordinator.scheduler import Scheduler
+from pool.chunk_map import TableMirror
+from pool.config import config_from_dict
+
+STOP = 3
+
+
+class CellLink:
+    def __init__(self, cfg, n_stages: int = 2, delay: float = 0.0) -> None:
+        e = cfg.engine
+        self.stages_up = [True] * n_stages
+        self.on_stage_up = None
+        self.on_stage_down = None
+        self.C = e.chunk_cells
+        self.tc = e.table_chunks
+        self.trash = e.n_chunks
+        self.mirror = TableMirror(e.n_chunks, e.table_chunks, e.parallel)
+        self.cells = [[-1] * e.chunk_cells for _ in range(e.n_chunks + 1)]
+        self.delay = delay
+        self.steps = 0
+        self.max_in_flight = 0
+        self._in_flight = 0
+
+    def send_ops(self, ops, stage=None, snapshot=False) -> None:
+        for op in ops:
+            if op[0] == "exchange":
+                _, _, a, b, cells = op
+                for p in range(cells):  # pool off: regions are identity, table t = region t
+                    ca, cb = a * self.tc + p // self.C, b * self.tc + p // self.C
+                    o = p % self.C
+                    self.cells[ca][o], self.cells[cb][o] = self.cells[cb][o], self.cells[ca][o]
+            self.mirror.apply(op)
+
+    @staticmethod
+    def next_token(ctx: list[int]) -> int:
+        h = 0
+        for t in ctx:
+            h = (h * 1000003 + t) % 2**61
+        return 10 + h % 997
+
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        # A stage runs a step before it applies any op sent after it (one ordered stream): the work is done
+        # at send time, and the delay only stands for the time the result takes to come back.
+        try:
+            result = self._compute(header, tokens)
+        except AssertionError as err:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(err)
+            return fut
+        return asyncio.ensure_future(self._later(result))
+
+    async def _later(self, result: dict) -> dict:
+        self._in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        await asyncio.sleep(self.delay)
+        self._in_flight -= 1
+        return result
+
+    def _compute(self, header: dict, tokens: list[int]) -> dict:
+        assert header["version"] == self.mirror.version, "step ran against a stale table"
+        self.steps += 1
+        out, i = [], 0
+        for slot, start, n, sample in header["slots"]:
+            ent = self.mirror.entries(slot)
+            for k in range(n):
+                p = start + k
+                assert ent[p // self.C] != self.trash, "write beyond the reserved cells"
+                self.cells[ent[p // self.C]][p % self.C] = tokens[i + k]
+            i += n
+            if sample:
+                ctx = [self.cells[ent[p // self.C]][p % self.C] for p in range(start + n)]
+                out.append([slot, self.next_token(ctx), -0.5, []])
+        return {"step": header["step"], "tokens": out}
+
+
+def make_cfg(pool: bool = True, **engine) -> object:
+    e = {"max_context": 256, "parallel": 4, "chunk_cells": 16, "prefill_chunk": 32, "max_waiting": 8}
+    if pool:
+        e["kv_pool_tokens"] = 1024
+    e.update(engine)
+    stages = [{"layers": [0, 2], "endpoint": "ipc:///tmp/x0"}, {"layers": [2, 4], "endpoint": "ipc:///tmp/x1"}]
+    return config_from_dict({"engine": e, "stages": stages})
+
+
+def req(prompt: list[int], max_tokens: int = 12, rid: str = "r") -> GenRequest:
+    return GenRequest(rid, list(prompt), max_tokens, stop_token_ids=frozenset({STOP}))
+
+
+async def run(sched: Scheduler, r: GenRequest) -> tuple[list[int], Finished]:
+    toks = []
+    async for ev in sched.generate(r):
+        if isinstance(ev, TokenEvent):
+            toks.append(ev.token)
+        else:
+            return toks, ev
+    raise AssertionError("no Finished event")
+
+
+async def started(cfg, **kw) -> tuple[Scheduler, CellLink]:
+    link = CellLink(cfg, **kw)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    return sched, link
+
+
+def assert_pool_accounted(sched: Scheduler) -> None:
+    held = sum(sched.map.held_chunks(t) for t in sched.held) * sched.cfg.engine.chunk_cells
+    assert all(j is None for j in sched.jobs)
+    assert sched.map.free_cells + held == sched.map.total_cells
+    sched.flush_cache()
+    assert sched.map.free_cells == sched.map.total_cells
+
+
+def prompts() -> list[list[int]]:
+    return [[100 + i] * 3 + list(range(200 + i, 200 + i + 20 + 9 * i)) for i in range(4)]
+
+
+async def solo(cfg, prompt, max_tokens=12):
+    sched, _ = await started(cfg)
+    try:
+        return await run(sched, req(prompt, max_tokens))
+    finally:
+        await sched.stop()
+
+
+@pytest.mark.parametrize("pool", [True, False])
+async def test_concurrent_slots_match_solo_runs(pool):
+    cfg = make_cfg(pool)
+    alone = [await solo(cfg, p) for p in prompts()]
+    sched, link = await started(cfg, delay=0.001)
+    together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert all(f.completion_tokens == 12 and f.reason == "length" for _, f in together)
+    assert link.max_in_flight == 2  # two stages: two slot groups in flight
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+@pytest.mark.parametrize("pool", [True, False])
+async def test_appended_turn_reads_only_new_tokens(pool):
+    cfg = make_cfg(pool)
+    sched, _ = await started(cfg)
+    p = prompts()[2]
+    out, fin = await run(sched, req(p))
+    assert fin.cached_tokens == 0
+    turn2 = p + out + [7, 8, 9]
+    out2, fin2 = await run(sched, req(turn2))
+    assert fin2.cached_tokens == len(p) + len(out) - 1  # the last sampled token was never read
+    cold, _ = await solo(cfg, turn2)
+    assert out2 == cold
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+@pytest.mark.parametrize("pool", [True, False])
+async def test_parked_conversation_comes_back_by_move(pool):
+    cfg = make_cfg(pool, parallel=1)
+    sched, _ = await started(cfg)
+    a, b = prompts()[0], prompts()[1]
+    out_a, _ = await run(sched, req(a))
+    out_b, _ = await run(sched, req(b))  # a is parked to free the only slot
+    assert any(t >= sched.parallel for t in sched.held)
+    turn2 = a + out_a + [5]
+    out2, fin = await run(sched, req(turn2))  # a comes back into the slot; b is parked in its place
+    assert fin.cached_tokens == len(a) + len(out_a) - 1
+    assert out2 == (await solo(cfg, turn2))[0]
+    turn_b = b + out_b + [6]
+    out3, fin3 = await run(sched, req(turn_b))
+    assert fin3.cached_tokens == len(b) + len(out_b) - 1
+    assert out3 == (await solo(cfg, turn_b))[0]
+    assert sched.counters["moves"] >= 3
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_reuse_is_bound_to_its_conversation():
+    """Two conversations sharing a first prefix: each next turn reuses only what its own table holds."""
+    cfg = make_cfg(True, parallel=1)
+    sched, _ = await started(cfg)
+    common = list(range(300, 320))
+    a, b = common + [1, 2, 3, 4], common + [9, 9, 9, 9, 9, 9]
+    out_a, _ = await run(sched, req(a))
+    out_b, _ = await run(sched, req(b))
+    for prompt in (a + out_a + [11], b + out_b + [12], common + [42]):
+        got, fin = await run(sched, req(prompt))
+        assert got == (await solo(cfg, prompt))[0]
+    assert fin.cached_tokens == len(common)
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_pool_pressure_refuses_or_truncates_and_frees_everything():
+    # 4 slots, a pool of 160 cells (10 chunks of 16): four 60-token prompts cannot all fit.
+    cfg = make_cfg(True, max_context=160, kv_pool_tokens=160)
+    ps = [[400 + i] + list(range(500 + 7 * i, 500 + 7 * i + 59)) for i in range(4)]
+    alone = [await solo(cfg, p, 40) for p in ps]
+    sched, _ = await started(cfg, delay=0.001)
+    results = await asyncio.gather(*(run(sched, req(p, 40, rid=str(i))) for i, p in enumerate(ps)),
+                                   return_exceptions=True)
+    refused = [r for r in results if isinstance(r, EngineError)]
+    done = [(i, r) for i, r in enumerate(results) if not isinstance(r, BaseException)]
+    assert refused and all(e.code == "kv_pool_full" and e.status == 503 and e.retry_after for e in refused)
+    assert done
+    for i, (toks, fin) in done:
+        if fin.truncated:
+            assert fin.reason == "length" and toks == alone[i][0][: len(toks)]
+        else:
+            assert toks == alone[i][0]
+    assert sched.counters["refusals"]["kv_pool_full"] == len(refused)
+    assert sched.counters["truncations"] == sum(f.truncated for _, (_, f) in done) >= 1
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_queue_full_refuses():
+    cfg = make_cfg(True, parallel=1, max_waiting=1)
+    sched, _ = await started(cfg, delay=0.01)
+    tasks = [asyncio.create_task(run(sched, req(prompts()[0], 30, rid=str(i)))) for i in range(4)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    codes = [r.code for r in results if isinstance(r, EngineError)]
+    assert "queue_full" in codes
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_closing_the_stream_frees_the_slot():
+    cfg = make_cfg(True, parallel=1)
+    sched, _ = await started(cfg, delay=0.005)
+    gen = sched.generate(req(prompts()[0], 100))
+    n = 0
+    async for ev in gen:
+        n += 1
+        if n == 3:
+            break
+    await gen.aclose()
+    for _ in range(100):
+        if sched.jobs[0] is None:
+            break
+        await asyncio.sleep(0.01)
+    assert sched.jobs[0] is None
+    out, fin = await run(sched, req(prompts()[1]))
+    assert out == (await solo(cfg, prompts()[1]))[0]
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_context_length_is_refused_before_anything_runs():
+    cfg = make_cfg(True)
+    sched, link = await started(cfg)
+    with pytest.raises(EngineError) as err:
+        await run(sched, req(list(range(10, 250)), 100))
+    assert err.value.code == "context_length_exceeded" and "340" in err.value.message
+    assert link.steps == 0
+    await sched.stop()
