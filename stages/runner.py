@@ -185,6 +185,8 @@ class StageRunner:
         if self.sampler is None:
             return out
         rows = [slot for slot, _, _, sample in slots if sample]
+        if not rows:  # a step of prompt pieces only: nothing to sample yet
+            return []
         sampled = self.sampler.sample(out, rows)
         return [[slot, int(tok), float(lp), [[int(i), float(p)] for i, p in (top or [])]]
                 for slot, (tok, lp, top) in zip(rows, sampled)]

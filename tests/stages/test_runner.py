@@ -256,3 +256,13 @@ def test_bad_slot_entries_are_refused(local):
         r.check_step({"step": 1, "version": 0, "slots": [[7, 0, 1, 1]]})
     with pytest.raises(ValueError, match="reaches cell 65, max_context is 64"):
         r.check_step({"step": 1, "version": 0, "slots": [[0, 60, 5, 1]]})
+
+
+def test_a_prompt_read_in_pieces_samples_only_at_its_end(local):
+    """Steps that carry prompt pieces only return no rows; the tokens equal one whole-prompt read."""
+    whole = local([[0, 4]])
+    want = whole.generate(0, PROMPT_A, 3)
+    pieces = local([[0, 2], [2, 4]])
+    assert pieces.step([[0, 0, 9, 0]], PROMPT_A[:9], {0: dict(GREEDY)}) == []
+    first = pieces.step([[0, 9, 8, 1]], PROMPT_A[9:])[0][1]
+    assert [first, *pieces.decode(0, len(PROMPT_A), first, 3)] == want
