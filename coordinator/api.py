@@ -6,6 +6,7 @@ Routes
   GET  /v1/models                                      the served model
   GET  /health                                         engine.health(); 503 while a stage is down
   GET  /slots                                          engine.slots(), llama.cpp style
+  POST /slots/{id}?action=erase, POST /slots?action=erase   drop one idle slot's conversation, or all idle ones
   GET  /metrics                                        Prometheus text; `?format=json` for {"live": ...}
 
 Rules
@@ -108,6 +109,23 @@ def make_app(cfg: Config, engine: Engine, tokenizer: Tokenizer) -> FastAPI:
     async def slots(request: Request) -> list[dict]:
         await auth(request)
         return engine.slots()
+
+    @app.post("/slots")
+    async def slots_all_action(request: Request, action: str | None = None) -> dict:
+        """`?action=erase`: every idle conversation (in slots and parked) gives its cells back."""
+        await auth(request)
+        if action != "erase":
+            raise ApiError.bad_request(f"action={action!r}: without a slot id only erase is supported", param="action")
+        return {"erased_cells": engine.flush_cache()}
+
+    @app.post("/slots/{slot_id}")
+    async def slot_action(request: Request, slot_id: int, action: str | None = None) -> dict:
+        """llama.cpp's `POST /slots/{id}?action=erase`: drop the conversation an idle slot holds."""
+        await auth(request)
+        if action != "erase":
+            raise ApiError.bad_request(f"action={action!r}: supported actions are erase", param="action")
+        n = engine.erase_slot(slot_id)
+        return {"id_slot": slot_id, "n_erased": n}
 
     @app.get("/metrics")
     async def metrics_route(format: str | None = None) -> Response:

@@ -36,6 +36,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.model_name = model_name
+        self.erased: list = []
         self.script = tokenizer.encode(SCRIPT_TEXT)
         self.eos = min(tokenizer.eos_ids)
         self.requests: list[GenRequest] = []
@@ -117,6 +118,16 @@ class FakeEngine:
 
     def slots(self) -> list[dict]:
         return [{"id": 0, "is_processing": self.running > 0, "n_ctx": self.max_context}]
+
+    def erase_slot(self, slot: int) -> int:
+        if slot != 0:
+            raise EngineError.invalid(f"slot {slot} does not exist (0..0)", param="id")
+        self.erased.append(slot)
+        return 7
+
+    def flush_cache(self) -> int:
+        self.erased.append("all")
+        return 96
 
 
 @contextmanager

@@ -315,3 +315,14 @@ def test_api_key_enforced(tokenizer):
         assert httpx.get(url + "/models", headers={"x-api-key": "sekret"}).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
         assert httpx.get(s.url + "/metrics").status_code == 200
+
+
+def test_slot_erase_actions(env):
+    r = httpx.post(env.url + "/slots/0", params={"action": "erase"})
+    assert r.status_code == 200 and r.json() == {"id_slot": 0, "n_erased": 7}
+    assert httpx.post(env.url + "/slots", params={"action": "erase"}).json() == {"erased_cells": 96}
+    r = httpx.post(env.url + "/slots/5", params={"action": "erase"})
+    assert r.status_code == 400 and "slot 5" in r.json()["error"]["message"]
+    r = httpx.post(env.url + "/slots/0", params={"action": "explode"})
+    assert r.status_code == 400 and "action" in r.json()["error"]["message"]
+    assert env.engine.erased == [0, "all"]
