@@ -9,25 +9,29 @@ This is the torch reference; a csrc kernel may replace either function with the 
 
     write_kv:          token t (slot s, position p) -> its cell; int8 stores round(x / scale), scale =
                        absmax over head_dim / 127 per cell and head, in k_scale[l] / v_scale[l]
-    paged_attention:   for every entry b of the step, gather cells [0, L) of its slot (L = the step's longest
-                       context; cells past the entry's own context are masked), dequantise, and run one
-                       scaled_dot_product_attention over the padded batch:
-                         q [B, heads, Q, head_dim]   k, v [B, kv_heads, L, head_dim]   mask [B, 1, Q, L]
+    paged_attention:   one scaled_dot_product_attention per group of the step (`StepBatch.groups`):
+                         decode group   q [G, heads, 1, head_dim]   k, v [G, kv_heads, L, head_dim]
+                         prefill entry  q [1, heads, n, head_dim]   k, v [1, kv_heads, start + n, head_dim]
                        query at position p sees cell j iff j <= p (and j > p - window with a sliding window);
                        GQA: query head h reads kv head h // (heads / kv_heads).
 
-Cost of the padding: scores are B x Q x L per head, so a step that mixes a long prefill piece with decodes
-pays Q rows for every decode entry (the rows are masked and dropped, never wrong). A varlen kernel avoids it.
+Reading a group's context: the cells [lo, L) it can see (lo > 0 only under a sliding window) lie in logical
+chunks [lo // C, ceil(L / C)) of each entry's table; those whole chunks are gathered with one index_select
+per array (a block copy per chunk, no per-cell index), or taken as a view without any copy when the group
+has one entry whose chunks are consecutive in the pool (the usual case for a lone conversation on a fresh
+pool: lowest free chunk first). Cells past an entry's own context are masked; a mask is built only when
+some query would otherwise see a cell it must not (a decode group whose entries share one context needs
+none, a prefill piece starting at 0 is plain causal).
 
-Per-step index tensors derived from the tables (cell addresses, masks) are kept in `batch.cache`: every layer
-of a step shares them, so the tables must not change while a step runs.
+Per-step values derived from the tables (cell addresses, chunk lists, masks) are kept in `batch.cache`:
+every layer of a step shares them, so the tables must not change while a step runs.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from stages.batch import StepBatch
+from stages.batch import AttentionGroup, StepBatch
 from stages.kv_cache import KVCache
 
 INT8_MAX = 127.0
@@ -47,32 +51,69 @@ def token_cells(kv: KVCache, batch: StepBatch) -> torch.Tensor:
                 f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells"
             )
         c = kv.chunk_cells
-        chunk = kv.tables[batch.token_slot, batch.positions // c].long()
-        batch.cache[key] = chunk * c + batch.positions % c
+        cells = []
+        for slot, start, n, _ in batch.slots:
+            row = kv.host_tables[slot]
+            cells.extend(row[p // c] * c + p % c for p in range(start, start + n))
+        batch.cache[key] = torch.tensor(cells, dtype=torch.int64).to(kv.device, non_blocking=True)
     return batch.cache[key]
 
 
-def context_cells(kv: KVCache, batch: StepBatch) -> torch.Tensor:
-    """Flat cell numbers `[B, L]` of cells [0, L) of each entry's slot (past its context: masked later)."""
-    key = ("context_cells", id(kv))
-    if key not in batch.cache:
+class _Read:
+    """Where a group's visible cells [lo, L) are: chunk ids to gather (or the first of a consecutive run),
+    the offset of cell lo in the first chunk, and the mask (None: every query sees every cell read)."""
+
+    def __init__(self, kv: KVCache, g: AttentionGroup, window: int | None) -> None:
         c = kv.chunk_cells
-        j = torch.arange(batch.max_context, device=kv.device)
-        chunk = kv.tables[batch.slot_ids[:, None], (j // c)[None, :]].long()
-        batch.cache[key] = chunk * c + (j % c)[None, :]
-    return batch.cache[key]
+        if window is None:
+            lo = 0
+        elif g.kind == "decode":  # query p = ctx - 1 sees j > p - window
+            lo = min(max(0, ctx - window) for ctx in g.contexts)
+        else:  # the first query, p = start, sees the oldest cells
+            lo = max(0, g.firsts[0] - window + 1)
+        self.lo, self.length = lo, g.max_context - lo
+        j0, j1 = lo // c, -(-g.max_context // c)
+        self.offset, self.span = lo - j0 * c, j1 - j0
+        rows = [kv.host_tables[s][j0:j1] for s in g.slots]
+        self.first = rows[0][0] if len(rows) == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + len(rows[0]))) \
+            else None
+        self.chunks = None
+        if self.first is None:
+            self.chunks = torch.tensor([x for r in rows for x in r], dtype=torch.int64).to(kv.device, non_blocking=True)
+        self.causal = False
+        self.mask = None
+        if g.kind == "decode":
+            if not (g.uniform and (window is None or lo == max(0, g.max_context - window))):
+                self.mask = _mask(kv.device, g, lo, self.length, window)
+        elif lo == 0 and g.firsts[0] == 0 and (window is None or window >= g.max_new):
+            self.causal = True  # a prompt's first piece: plain causal (n queries over n cells)
+        else:
+            self.mask = _mask(kv.device, g, lo, self.length, window)
+
+    def take(self, arr: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """`[G, L - lo, ...]` of `arr` (one layer's K, V or scales): a view or one gather of whole chunks."""
+        if self.first is not None:
+            block = arr.narrow(0, self.first, self.span)
+        else:
+            block = arr.index_select(0, self.chunks)
+        block = block.view(n_entries, self.span * arr.shape[1], *arr.shape[2:])
+        return block.narrow(1, self.offset, self.length)
 
 
-def attention_mask(batch: StepBatch, sliding_window: int | None = None) -> torch.Tensor:
-    """Bool `[B, 1, Q, L]`: query (b, i) at position p sees cell j iff j <= p (and j > p - window)."""
-    key = ("mask", sliding_window)
+def _mask(device: torch.device, g: AttentionGroup, lo: int, length: int, window: int | None) -> torch.Tensor:
+    """Bool `[G, 1, Q, L - lo]`: query i of entry e (position first_e + i) sees cell lo + j."""
+    j = torch.arange(lo, lo + length)[None, None, :]
+    p = torch.tensor(g.firsts)[:, None, None] + torch.arange(g.max_new)[None, :, None]
+    mask = j <= p
+    if window is not None:
+        mask &= j > p - window
+    return mask[:, None].to(device, non_blocking=True)
+
+
+def _read(kv: KVCache, batch: StepBatch, index: int, window: int | None) -> _Read:
+    key = ("read", id(kv), index, window)
     if key not in batch.cache:
-        j = torch.arange(batch.max_context, device=batch.device)[None, None, :]
-        p = batch.query_pos[:, :, None]
-        mask = j <= p
-        if sliding_window is not None:
-            mask &= j > p - sliding_window
-        batch.cache[key] = mask[:, None]
+        batch.cache[key] = _Read(kv, batch.groups[index], window)
     return batch.cache[key]
 
 
@@ -102,13 +143,12 @@ def write_kv(kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torc
         _flat(kv.v[layer]).index_copy_(0, cells, v.to(kv.dtype))
 
 
-def gather_context(kv: KVCache, layer: int, batch: StepBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V `[B, L, kv_heads, head_dim]` in `dtype`: every entry's cells [0, L) read through its table."""
-    cells = context_cells(kv, batch)
-    k, v = _flat(kv.k[layer])[cells], _flat(kv.v[layer])[cells]
+def _context(kv: KVCache, layer: int, read: _Read, n_entries: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """K and V `[G, L - lo, kv_heads, head_dim]` in `dtype`: a group's visible cells read through its tables."""
+    k, v = read.take(kv.k[layer], n_entries), read.take(kv.v[layer], n_entries)
     if kv.quantized:
-        k = dequantize_int8(k, _flat(kv.k_scale[layer])[cells], dtype)
-        v = dequantize_int8(v, _flat(kv.v_scale[layer])[cells], dtype)
+        k = dequantize_int8(k, read.take(kv.k_scale[layer], n_entries), dtype)
+        v = dequantize_int8(v, read.take(kv.v_scale[layer], n_entries), dtype)
     return k.to(dtype), v.to(dtype)
 
 
@@ -123,18 +163,34 @@ def paged_attention(
     """Causal GQA attention of `q [T, heads, head_dim]` over each slot's context; returns `[T, heads * head_dim]`.
 
     The step's K/V must already be written (`write_kv`), so a token sees the new tokens before it in its own
-    slot. One `scaled_dot_product_attention` call for the whole step (layout in the module docstring).
+    slot. One `scaled_dot_product_attention` call per group of the step (layout in the module docstring).
     """
+    if batch.max_context > kv.table_chunks * kv.chunk_cells:
+        raise ValueError(f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells")
     n_tokens, heads, head_dim = q.shape
-    k, v = gather_context(kv, layer, batch, q.dtype)
-    qp = q[batch.query_index]  # [B, Q, heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attention_mask(batch, sliding_window),
-        scale=scale,
-        enable_gqa=heads != kv.kv_heads,
-    )
-    out = out.transpose(1, 2)[batch.token_seq, batch.token_row]  # [T, heads, head_dim]
-    return out.reshape(n_tokens, heads * head_dim)
+    out = None
+    for index, g in enumerate(batch.groups):
+        read = _read(kv, batch, index, sliding_window)
+        n_entries = len(g.entries)
+        k, v = _context(kv, layer, read, n_entries, q.dtype)
+        rows = g.rows
+        qg = q[rows.start:rows.stop] if isinstance(rows, range) else q.index_select(0, rows)
+        o = F.scaled_dot_product_attention(
+            qg.view(n_entries, g.max_new, heads, head_dim).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=read.mask,
+            is_causal=read.causal,
+            scale=scale,
+            enable_gqa=heads != kv.kv_heads,
+        )
+        o = o.transpose(1, 2).reshape(g.num_rows, heads * head_dim)
+        if isinstance(rows, range) and rows.start == 0 and rows.stop == n_tokens:
+            return o  # one group holds the whole step, rows in order
+        if out is None:
+            out = q.new_empty(n_tokens, heads * head_dim)
+        if isinstance(rows, range):
+            out[rows.start:rows.stop] = o
+        else:
+            out.index_copy_(0, rows, o)
+    return out

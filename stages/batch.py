@@ -5,22 +5,59 @@ A step header lists `[[slot, start, n, sample], ...]`: slot `slot` reads `n` new
 concatenation of the entries in header order (entry b owns rows `cu_seqlens[b] .. cu_seqlens[b+1]-1`), which is
 the order of the token ids frame and of the hidden states passed between stages.
 
-Attention works on a padded view, one row per entry (`B` entries, `Q` = the largest n, `L` = the longest
-context):
+Attention reads the step in groups (`groups`), so that no entry pays for another's shape:
+
+    decode group     every entry with n == 1: one query row each, padded only to the group's longest context
+    prefill groups   one per entry with n > 1: its own rows and its own context, no padding at all
+
+A step that mixes a 256-token prompt piece with decodes therefore costs the decodes one row each, not 256.
+
+`query_index`, `query_pos`, `query_valid`, `token_seq`, `token_row` describe the whole step as one padded
+batch (`B` entries, `Q` = the largest n); attention no longer uses them, so they are built only when read:
 
     query_index [B, Q]   token row of query (b, i); padding repeats the entry's first row
-    query_pos   [B, Q]   its position; padding rows use position 0, so they see cell 0 only (never a row of
-                         nothing, which would make softmax NaN) and their output is dropped
+    query_pos   [B, Q]   its position; padding rows use position 0
     token_seq / token_row [T]   the way back: token t is query (token_seq[t], token_row[t])
+
+Building a step costs a handful of small tensors made from Python lists (no per-token Python work beyond
+the positions), because a decode step of a small model is short enough for that to show.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Entries of a step that attention reads in one call (see the module docstring).
+
+    Rows `rows` of the step's queries belong to the group, in entry order: a `range` when they are
+    consecutive (a view of the queries, no copy), else an int64 tensor. `contexts[i]` is entry i's context
+    (start + n); `first` is its first position (start). `uniform`: every entry has context `max_context`.
+    """
+
+    kind: str  # "decode" | "prefill"
+    entries: tuple[int, ...]
+    slots: tuple[int, ...]
+    firsts: tuple[int, ...]
+    contexts: tuple[int, ...]
+    max_new: int  # Q: 1 for the decode group, n for a prefill entry
+    max_context: int  # L: the group's longest context
+    rows: range | torch.Tensor
+
+    @property
+    def uniform(self) -> bool:
+        return min(self.contexts) == self.max_context
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.entries) * self.max_new
+
+
+@dataclass(eq=False)
 class StepBatch:
     """Index tensors (int64 unless stated) of one step; build it with `StepBatch.from_slots`."""
 
@@ -36,20 +73,50 @@ class StepBatch:
     cu_seqlens: torch.Tensor  # int32 [B + 1]
     positions: torch.Tensor  # [T]
     token_slot: torch.Tensor  # [T] slot of each token
-    token_seq: torch.Tensor  # [T] entry of each token
-    token_row: torch.Tensor  # [T] index among its entry's new tokens
     token_context: torch.Tensor  # [T] context length of its entry
-    query_index: torch.Tensor  # [B, Q]
-    query_pos: torch.Tensor  # [B, Q]
-    query_valid: torch.Tensor  # bool [B, Q]
     sample_rows: torch.Tensor  # [S] last token row of each entry with sample=1, in entry order
     sample_slots: list[int]  # the slots of those rows
+    groups: list[AttentionGroup]  # the decode group first (when there are decodes), then one per prefill entry
+    cu: list[int]  # cu_seqlens as a list
     # Per-step values derived from the KV tables (attention fills it): the tables must not change mid-step.
     cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.slots)
+
+    @property
+    def all_decode(self) -> bool:
+        """Every entry reads one token (the decode group is the whole step, rows in order)."""
+        return self.max_new == 1
+
+    # The whole step as one padded batch; built on first read (attention does not use it).
+    @cached_property
+    def token_seq(self) -> torch.Tensor:
+        return self._dev(torch.repeat_interleave(torch.arange(self.num_seqs), self.counts.cpu()))
+
+    @cached_property
+    def token_row(self) -> torch.Tensor:
+        return self._dev(torch.tensor([t - self.cu[b] for b, (_, _, n, _) in enumerate(self.slots)
+                                       for t in range(self.cu[b], self.cu[b] + n)], dtype=torch.int64))
+
+    @cached_property
+    def query_valid(self) -> torch.Tensor:
+        return self._dev(torch.arange(self.max_new)[None, :] < self.counts.cpu()[:, None])
+
+    @cached_property
+    def query_index(self) -> torch.Tensor:
+        i = torch.arange(self.max_new)[None, :]
+        cu = torch.tensor(self.cu[:-1], dtype=torch.int64)[:, None]
+        return self._dev(cu + torch.where(self.query_valid.cpu(), i, 0))
+
+    @cached_property
+    def query_pos(self) -> torch.Tensor:
+        i = torch.arange(self.max_new)[None, :]
+        return self._dev(torch.where(self.query_valid.cpu(), self.starts.cpu()[:, None] + i, 0))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
 
     @classmethod
     def from_slots(cls, slots: list, device: torch.device | str = "cpu") -> "StepBatch":
@@ -68,47 +135,62 @@ class StepBatch:
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one step")
             seen.add(slot)
-        slot_ids = torch.tensor([e[0] for e in entries], dtype=torch.int64)
-        starts = torch.tensor([e[1] for e in entries], dtype=torch.int64)
-        counts = torch.tensor([e[2] for e in entries], dtype=torch.int64)
-        samples = torch.tensor([e[3] for e in entries], dtype=torch.bool)
-        n_seqs = len(entries)
-        context_lens = starts + counts
-        cu = torch.zeros(n_seqs + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(counts, 0)
-        num_tokens = int(cu[-1])
-        token_seq = torch.repeat_interleave(torch.arange(n_seqs), counts)
-        token_row = torch.arange(num_tokens) - cu[token_seq]
-        positions = starts[token_seq] + token_row
-        max_new = int(counts.max())
-        i = torch.arange(max_new)[None, :]
-        query_valid = i < counts[:, None]
-        query_index = cu[:-1, None] + torch.where(query_valid, i, 0)
-        query_pos = torch.where(query_valid, starts[:, None] + i, 0)
-        sample_rows = (cu[1:] - 1)[samples]
+        device = torch.device(device)
+        cu = [0]
+        for e in entries:
+            cu.append(cu[-1] + e[2])
+        slot_l = [e[0] for e in entries]
+        start_l = [e[1] for e in entries]
+        count_l = [e[2] for e in entries]
+        context_l = [s + n for s, n in zip(start_l, count_l)]
+        if all(n == 1 for n in count_l):  # a decode step: one row per entry
+            positions_l, token_slot_l, token_context_l = start_l, slot_l, context_l
+        else:
+            positions_l, token_slot_l, token_context_l = [], [], []
+            for slot, start, n, _ in entries:
+                positions_l.extend(range(start, start + n))
+                token_slot_l.extend([slot] * n)
+                token_context_l.extend([start + n] * n)
+        sample_rows_l = [cu[b + 1] - 1 for b, e in enumerate(entries) if e[3]]
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             slots=entries,
-            device=torch.device(device),
-            num_tokens=num_tokens,
-            max_new=max_new,
-            max_context=int(context_lens.max()),
-            slot_ids=dev(slot_ids),
-            starts=dev(starts),
-            counts=dev(counts),
-            context_lens=dev(context_lens),
-            cu_seqlens=dev(cu.to(torch.int32)),
-            positions=dev(positions),
-            token_slot=dev(slot_ids[token_seq]),
-            token_seq=dev(token_seq),
-            token_row=dev(token_row),
-            token_context=dev(context_lens[token_seq]),
-            query_index=dev(query_index),
-            query_pos=dev(query_pos),
-            query_valid=dev(query_valid),
-            sample_rows=dev(sample_rows),
+            device=device,
+            num_tokens=cu[-1],
+            max_new=max(count_l),
+            max_context=max(context_l),
+            slot_ids=tensor(slot_l),
+            starts=tensor(start_l),
+            counts=tensor(count_l),
+            context_lens=tensor(context_l),
+            cu_seqlens=tensor(cu, torch.int32),
+            positions=tensor(positions_l),
+            token_slot=tensor(token_slot_l),
+            token_context=tensor(token_context_l),
+            sample_rows=tensor(sample_rows_l),
             sample_slots=[e[0] for e in entries if e[3]],
+            groups=_groups(entries, cu, device),
+            cu=cu,
         )
+
+
+def _groups(entries: list[tuple[int, int, int, int]], cu: list[int], device: torch.device) -> list[AttentionGroup]:
+    """The decode group (entries with n == 1, if any), then one prefill group per entry with n > 1."""
+    groups = []
+    decode = [b for b, e in enumerate(entries) if e[2] == 1]
+    if decode:
+        rows_l = [cu[b] for b in decode]
+        rows: range | torch.Tensor = range(rows_l[0], rows_l[-1] + 1)
+        if list(rows) != rows_l:
+            rows = torch.tensor(rows_l, dtype=torch.int64).to(device, non_blocking=True)
+        groups.append(AttentionGroup(
+            "decode", tuple(decode), tuple(entries[b][0] for b in decode), tuple(entries[b][1] for b in decode),
+            tuple(entries[b][1] + 1 for b in decode), 1, max(entries[b][1] + 1 for b in decode), rows))
+    for b, (slot, start, n, _) in enumerate(entries):
+        if n > 1:
+            groups.append(AttentionGroup("prefill", (b,), (slot,), (start,), (start + n,), n, start + n,
+                                         range(cu[b], cu[b + 1])))
+    return groups

@@ -9,7 +9,8 @@ Layout, per local attention layer l (C = chunk_cells, N = n_chunks; chunk N is t
                                                              tables[s, j]; cell p at (tables[s, p // C], p % C)
 
 The tables are allocated once and only ever updated in place (`set_table` copies into the existing rows):
-captured CUDA graphs bake their address in. Every entry starts at the trash chunk, so a write through an
+captured CUDA graphs bake their address in. `host_tables` holds the same rows as Python lists; change the
+tables only through `set_table` and `clear_tables`, which keep both. Every entry starts at the trash chunk, so a write through an
 unreserved entry lands in the trash, never in another conversation's cells.
 
 `storage(layer, which, dtype, shape) -> tensor` lets the stage place each array elsewhere, e.g. a
@@ -74,6 +75,9 @@ class KVCache:
             self.k_scale = [alloc(layer, "k_scale", torch.float32, scale_shape) for layer in range(n_layers)]
             self.v_scale = [alloc(layer, "v_scale", torch.float32, scale_shape) for layer in range(n_layers)]
         self.tables = torch.full((n_slots, table_chunks), n_chunks, dtype=torch.int32, device=self.device)
+        # The same rows on the host, kept by `set_table` / `clear_tables`: attention plans its reads (which
+        # chunks, whether they are consecutive) from these without reading device memory.
+        self.host_tables: list[list[int]] = [[n_chunks] * table_chunks for _ in range(n_slots)]
 
     @property
     def trash(self) -> int:
@@ -99,6 +103,12 @@ class KVCache:
         if int(row.min()) < 0 or int(row.max()) > self.n_chunks:
             raise ValueError(f"slot {slot}: table entries must lie in [0, {self.n_chunks}] (trash = {self.n_chunks})")
         self.tables[slot].copy_(row)
+        self.host_tables[slot] = row.tolist()
+
+    def clear_tables(self) -> None:
+        """Point every entry of every slot at the trash chunk (in place)."""
+        self.tables.fill_(self.n_chunks)
+        self.host_tables = [[self.n_chunks] * self.table_chunks for _ in range(self.n_slots)]
 
     def copy_cells(self, src_entries: Sequence[int], dst_entries: Sequence[int], cells: int) -> None:
         """Copy cells [0, cells) of the table `src_entries` into the table `dst_entries`, in every array.

@@ -147,7 +147,7 @@ class StageRunner:
     def reset(self) -> None:
         """Empty tables at version 0 (a new coordinator session); the K/V bytes stay where they are."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
-        self.kv.tables.fill_(self.kv.trash)
+        self.kv.clear_tables()
 
     # ---- steps ---------------------------------------------------------------------------------------
     def check_step(self, header: dict) -> None:
