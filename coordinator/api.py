@@ -8,6 +8,7 @@ Routes
   GET  /slots                                          engine.slots(), llama.cpp style
   POST /slots/{id}?action=erase, POST /slots?action=erase   drop one idle slot's conversation, or all idle ones
   GET  /metrics                                        Prometheus text; `?format=json` for {"live": ...}
+  GET  /openapi.json                                   the OpenAPI schema; request bodies are schemas.py's models
 
 Rules
 - With `coordinator.api_key` set, /v1/* and /slots need it, as `Authorization: Bearer <key>` or
@@ -23,6 +24,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +35,7 @@ from .api_errors import ApiError, error_response
 from .api_generation import ClientGone, Front
 from .engine import Engine, EngineError
 from .metrics import CONTENT_TYPE, Metrics
+from .schemas import openapi_schemas
 from .tokenizer import Tokenizer
 
 
@@ -59,8 +62,25 @@ def make_app(cfg: Config, engine: Engine, tokenizer: Tokenizer) -> FastAPI:
     started = int(time.time())
     auth = _api_key_check(cfg.coordinator.api_key)
 
-    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.front = front
+
+    def openapi() -> dict:
+        """FastAPI's schema plus the body models the routes name in `openapi_extra` (schemas.json_body)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(openapi_schemas())
+            for name in ("HTTPValidationError", "ValidationError"):  # bad input is a 400 here, never a 422
+                components.pop(name, None)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    if operation.get("responses", {}).pop("422", None) is not None:
+                        operation["responses"]["400"] = {"description": "bad input; the JSON error names it"}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, err: EngineError) -> JSONResponse:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from .api_errors import anthropic_sse_error
 from .api_generation import ClientGone, Front, Generation, new_id, sse_response
 from .engine import EngineError
-from .schemas import CountTokensRequest, MessagesRequest
+from .schemas import CountTokensRequest, MessagesRequest, json_body
 
 log = logging.getLogger("strata.api")
 
@@ -72,11 +72,11 @@ async def _events(run: Generation, message: dict) -> AsyncIterator[str]:
 def make_router(front: Front, auth: Callable) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth)])
 
-    @router.post("/v1/messages")
+    @router.post("/v1/messages", openapi_extra=json_body(MessagesRequest))
     async def messages(request: Request):
         arrival = time.monotonic()
         req: MessagesRequest = await front.parse(request, MessagesRequest)
-        ids = front.chat_ids(req.template_messages())
+        ids = await front.chat_ids(req.template_messages())
         rid, model = new_id("msg_"), front.engine.model_name
         gen = front.gen_request(rid, ids, req.max_tokens, req.sampling())
         run = Generation(front, request, gen, req.stop_sequences, arrival)
@@ -96,9 +96,9 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
             "usage": usage_body(run),
         })
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
     async def count_tokens(request: Request):
         req: CountTokensRequest = await front.parse(request, CountTokensRequest)
-        return {"input_tokens": len(front.chat_ids(req.template_messages()))}
+        return {"input_tokens": len(await front.chat_ids(req.template_messages()))}
 
     return router

@@ -15,6 +15,8 @@ Rules:
   too), or the task being cancelled. Closing it is what frees the slot.
 - Text that could still become a stop string is held back; a matched stop is cut and never sent.
 - Timing for the metrics: arrival -> first token (TTFT), token -> token (ITL), arrival -> end (E2E).
+- A prompt text of `LARGE_TEXT_CHARS` or more is tokenized in a worker thread with the GIL released
+  (`encode_batch`; plain `encode` holds it), so a multi-megabyte prompt does not stall every other stream.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import asyncio
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,6 +67,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+LARGE_TEXT_CHARS = 1 << 16
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -71,6 +75,50 @@ def sse_response(body: AsyncIterator[str], run: Generation) -> StreamingResponse
     """An SSE response; closing `run` afterwards covers a client gone before the body was first read."""
     return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
                              background=BackgroundTask(run.close))
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _lone_surrogate(data: Any) -> bool:
+    """True when a string (or key) of a parsed body holds half of a UTF-16 pair, which has no UTF-8 form."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def parse_json(body: bytes) -> Any:
+    """A request body as JSON, or a 400 naming what is wrong.
+
+    Refused besides malformed JSON and invalid UTF-8: NaN and Infinity (Python's json reads them, JSON has
+    none), nesting past the parser's recursion limit, and an escaped lone surrogate ("\\ud800"), which no
+    tokenizer can encode. The surrogate walk runs only when the raw body holds such an escape.
+    """
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError.bad_request("the body is not valid JSON: it nests too deeply") from None
+    except ValueError as err:  # UnicodeDecodeError is a ValueError too
+        raise ApiError.bad_request(f"the body is not valid JSON: {err}") from None
+    if _SURROGATE_ESCAPE.search(body) and _lone_surrogate(data):
+        raise ApiError.bad_request("the body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff); "
+                                   "strings must be valid Unicode")
+    return data
 
 
 def new_id(prefix: str) -> str:
@@ -106,10 +154,7 @@ class Front:
             body += chunk
             if len(body) > limit:
                 raise ApiError.too_large(limit)
-        try:
-            data = json.loads(body)
-        except ValueError as err:  # UnicodeDecodeError is a ValueError too
-            raise ApiError.bad_request(f"the body is not valid JSON: {err}") from None
+        data = parse_json(bytes(body))
         if not isinstance(data, dict):
             raise ApiError.bad_request("the body must be a JSON object")
         try:
@@ -118,12 +163,22 @@ class Front:
             message, param = validation_message(err)
             raise ApiError.bad_request(message, param=param) from None
 
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The rendered chat prompt as token ids; a template that refuses the messages is a 400."""
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The rendered chat prompt as token ids (as `Tokenizer.chat_ids`); a template that refuses the
+        messages is a 400."""
         try:
-            return self.tokenizer.chat_ids(messages, tools=tools)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools)
         except ChatTemplateError as err:  # raise_exception in the template: the client's messages did it
             raise ApiError.bad_request(str(err), param="messages") from None
+        return await self.encode(text)
+
+    async def encode(self, text: str) -> list[int]:
+        """`tokenizer.encode(text)`; a large text off the event loop (see the module docstring)."""
+        if len(text) < LARGE_TEXT_CHARS:
+            return self.tokenizer.encode(text)
+        backend = self.tokenizer.backend
+        encodings = await anyio.to_thread.run_sync(lambda: backend.encode_batch([text], add_special_tokens=False))
+        return list(encodings[0].ids)
 
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
                     logprobs: int = 0) -> GenRequest:

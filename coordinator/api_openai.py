@@ -20,7 +20,7 @@ from starlette.requests import Request
 from .api_errors import openai_sse_error
 from .api_generation import ClientGone, Front, Generation, TokenLogprob, new_id, sse_response
 from .engine import EngineError
-from .schemas import ChatRequest, CompletionRequest
+from .schemas import ChatRequest, CompletionRequest, json_body
 
 log = logging.getLogger("strata.api")
 
@@ -97,12 +97,12 @@ async def _sse(run: Generation, chunk: Chunk, head: list[dict], include_usage: b
 def make_router(front: Front, auth: Callable) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth)])
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         req: ChatRequest = await front.parse(request, ChatRequest)
         front.check_model(req.model)
-        ids = front.chat_ids([m.as_template_message() for m in req.messages], req.tools)
+        ids = await front.chat_ids([m.as_template_message() for m in req.messages], req.tools)
         rid, created, model = new_id("chatcmpl-"), int(time.time()), front.engine.model_name
         gen = front.gen_request(rid, ids, req.completion_limit, req.sampling(), logprobs=req.num_top_logprobs)
         run = Generation(front, request, gen, req.stop, arrival, want_logprobs=req.logprobs)
@@ -133,12 +133,12 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": [choice], "usage": usage_body(run)})
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request):
         arrival = time.monotonic()
         req: CompletionRequest = await front.parse(request, CompletionRequest)
         front.check_model(req.model)
-        ids = front.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        ids = await front.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         rid, created, model = new_id("cmpl-"), int(time.time()), front.engine.model_name
         want_lp = req.logprobs is not None
         gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), logprobs=req.logprobs or 0)

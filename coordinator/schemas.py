@@ -7,18 +7,31 @@ Rules:
   other part type (images, tool blocks) is refused with a message naming it.
 - Only what the engine can do is accepted: n == 1, at most `MAX_STOPS_OPENAI` stop strings (OpenAI's own
   limit), at most `MAX_STOPS_ANTHROPIC` stop sequences, one prompt per completion request.
+- Numbers travel to the stages in msgpack and torch tensors, so every one is bounded here: `seed` and `top_k`
+  fit int64 (a top_k past the vocabulary keeps every token), `repetition_penalty` is at most
+  `MAX_REPETITION_PENALTY`. An unbounded value would otherwise fail a step, or the scheduler, far from the request.
+- `/openapi.json` describes every body with these models (`json_body`, `openapi_schemas`), so a schema-driven
+  fuzzer generates meaningful requests; the routes still read the body themselves (`Front.parse`).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic.json_schema import models_json_schema
 
 from .engine import SAMPLING_DEFAULTS
 
 MAX_STOPS_OPENAI = 4
 MAX_STOPS_ANTHROPIC = 16
 MAX_TOP_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 10.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                          "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
+TextContent = Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, _TEXT_PARTS]})]
+"""A string, or a list of text parts joined into one by `_join_text_parts` (what the schema shows)."""
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
@@ -74,12 +87,12 @@ class _OpenAISampling(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 and 0: off
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1 and 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     n: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
@@ -115,13 +128,20 @@ class _OpenAISampling(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: TextContent | None = None
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, v: Any) -> Any:
         return _join_text_parts(v, "content")
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> "ChatMessage":
+        """Only an assistant turn may come without content (OpenAI's rule: it may carry tool calls instead)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_template_message(self) -> dict:
         """The dict a chat template reads; `developer` is OpenAI's newer name for `system`."""
@@ -194,7 +214,7 @@ class CompletionRequest(_OpenAISampling):
 # ---- Anthropic ---------------------------------------------------------------------------------------
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str
+    content: TextContent
 
     @field_validator("content", mode="before")
     @classmethod
@@ -205,7 +225,7 @@ class AnthropicMessage(_Body):
 class _AnthropicPrompt(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | None = None
+    system: TextContent | None = None
 
     @field_validator("system", mode="before")
     @classmethod
@@ -222,7 +242,7 @@ class MessagesRequest(_AnthropicPrompt):
     stop_sequences: list[str] | None = Field(None, validate_default=True)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict | None = None
 
@@ -242,3 +262,20 @@ class MessagesRequest(_AnthropicPrompt):
 
 class CountTokensRequest(_AnthropicPrompt):
     pass
+
+
+# ---- OpenAPI -----------------------------------------------------------------------------------------
+BODY_MODELS: tuple[type[BaseModel], ...] = (ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route that reads `model` from its JSON body (the route parses it itself)."""
+    ref = _REF.format(model=model.__name__)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
+
+
+def openapi_schemas() -> dict[str, dict]:
+    """components.schemas for every body model and the models they nest, as `json_body` refers to them."""
+    _, top = models_json_schema([(m, "validation") for m in BODY_MODELS], ref_template=_REF)
+    return top["$defs"]
