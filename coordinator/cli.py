@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import subprocess
 import sys
@@ -56,7 +55,8 @@ async def serve(cfg: Config) -> None:
     await scheduler.start()
     app = make_app(cfg, scheduler, tokenizer)
     c = cfg.coordinator
-    server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", loop="none"))
+    server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", loop="none",
+                                           log_config=None))
     event(log, "coord.serving", url=f"http://{c.host}:{c.port}", model=name, stages=len(cfg.stages),
           pool_cells=scheduler.map.total_cells)
     try:

@@ -113,6 +113,11 @@ def setup_logging(component: str, level: str | int | None = None, stream: TextIO
     handler.setFormatter(LogfmtFormatter(component))
     root.addHandler(handler)
     root.setLevel(_level(level))
+    # uvicorn installs its own handlers and stops propagation; its records go through ours instead.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
     logging.captureWarnings(True)
     return logging.getLogger("strata")
 
