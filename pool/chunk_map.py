@@ -142,6 +142,33 @@ class _Tables:
             raise IndexError(f"chunk {chunk} is outside 0..{self.n_chunks} (trash = {self.n_chunks})")
         return self._generations[chunk]
 
+    def generations_of(self, ops: Sequence[Op]) -> list[list[int]]:
+        """[[chunk, generation now], ...] for every chunk `ops` give to a table or write bytes into ("set"
+        entries that are not trash, the region cells an "exchange" rewrites), each once, ascending.
+
+        A stage records these beside its K/V when it applies the ops, so after a crash it can report which
+        owners its bytes belong to (rule 9). Freed chunks are not listed: no table holds them.
+        """
+        chunks: set[int] = set()
+        for op in ops:
+            if op[0] == "set":
+                chunks.update(c for _, c in op[3] if c != self.trash)
+            elif op[0] == "exchange":
+                n = self._chunks_for(op[4])
+                chunks.update(region(op[2], self.table_chunks)[:n] + region(op[3], self.table_chunks)[:n])
+        return [[c, self._generations[c]] for c in sorted(chunks)]
+
+    def intact(self, t: int, generations: Sequence[int] | None) -> bool:
+        """Whether every chunk table `t` holds has, in `generations` (a stage's, indexed by chunk), the
+        generation it has here: then that stage applied the op that gave it to `t` and its bytes are `t`'s.
+        None (a stage that kept no generations) is never intact unless `t` holds nothing."""
+        held = self._rows[self._check(t)][: self._held[t]]
+        if not held:
+            return True
+        if generations is None:
+            return False
+        return all(c < len(generations) and generations[c] == self._generations[c] for c in held)
+
     def release(self, t: int) -> None:
         """Give back every chunk of `t` (shrink to 0 cells)."""
         self.shrink(t, 0)

@@ -13,6 +13,7 @@ File layout (little-endian; every array starts on a 64-byte boundary)::
       12  header_nbytes   uint32
       16  n_layers, n_chunks, chunk_cells, kv_heads, head_dim, data_nbytes   6 x uint64
       64  kv_dtype        16 bytes, ASCII, NUL padded
+      80  session         16 bytes, ASCII, NUL padded: the coordinator session the generations belong to
       128 generations     uint64 [n_chunks + 1]   one per chunk, the trash chunk included
     header_nbytes       data    (data_nbytes)
       layer 0: K [n_chunks + 1, chunk_cells, kv_heads, head_dim]  kv_dtype
@@ -55,6 +56,7 @@ ARRAYS = ("k", "v", "k_scale", "v_scale")
 
 _FIXED = struct.Struct("<8sII6Q16s")  # magic, version, header_nbytes, 6 sizes, kv_dtype
 _GEN_OFFSET = 128
+_SESSION = slice(80, 96)
 _LAYOUT_FIELDS = ("n_layers", "n_chunks", "chunk_cells", "kv_heads", "head_dim")
 _PIN_PIECE = 64 << 30  # cudaHostRegister is called on pieces of at most this many bytes
 
@@ -260,6 +262,23 @@ class PoolMemory:
         if self._generations is None:
             raise ValueError(f"pool file {self.path} is closed")
         return self._generations
+
+    @property
+    def session(self) -> str:
+        """The coordinator session whose ops set `.generations` ("" in a fresh file).
+
+        Generations are only comparable within one session (a new coordinator counts from 0 again), so a
+        stage zeroes them and writes the new session here when a new coordinator says HELLO; a restarted
+        stage that finds its own session here knows the generations are the ones that coordinator sent.
+        """
+        return bytes(self.buffer[_SESSION]).rstrip(b"\0").decode("ascii", "replace")
+
+    @session.setter
+    def session(self, value: str) -> None:
+        raw = value.encode("ascii")
+        if len(raw) > _SESSION.stop - _SESSION.start:
+            raise ValueError(f"session id {value!r} is longer than {_SESSION.stop - _SESSION.start} bytes")
+        self.buffer[_SESSION] = raw.ljust(_SESSION.stop - _SESSION.start, b"\0")
 
     @property
     def pinned(self) -> bool:

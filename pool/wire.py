@@ -27,11 +27,12 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: SAVE/LOAD/DONE, generations in OPS and in the stage's HELLO
 
 HELLO, WELCOME, OPS, STEP, HIDDEN = "HELLO", "WELCOME", "OPS", "STEP", "HIDDEN"
 RESULT, ERROR, PING, PONG, BYE = "RESULT", "ERROR", "PING", "PONG", "BYE"
-KINDS = frozenset({HELLO, WELCOME, OPS, STEP, HIDDEN, RESULT, ERROR, PING, PONG, BYE})
+SAVE, LOAD, DONE = "SAVE", "LOAD", "DONE"  # session files: requests on the ordered stream, and each stage's answer
+KINDS = frozenset({HELLO, WELCOME, OPS, STEP, HIDDEN, RESULT, ERROR, PING, PONG, BYE, SAVE, LOAD, DONE})
 HANDSHAKE_KINDS = frozenset({HELLO, WELCOME})
 
 TENSORS_KEY = "_tensors"

@@ -59,7 +59,7 @@ def test_protocol_in_the_handshake_only() -> None:
     _, header, _ = decode(encode(wire.PING, {}))
     assert header == {}
     assert sorted(wire.KINDS) == sorted(["HELLO", "WELCOME", "OPS", "STEP", "HIDDEN", "RESULT", "ERROR", "PING",
-                                         "PONG", "BYE"])
+                                         "PONG", "BYE", "SAVE", "LOAD", "DONE"])
 
 
 def test_over_zmq_pair_ipc(tmp_path: Path) -> None:
@@ -113,8 +113,9 @@ MALFORMED = {
     "float dim": ([b"HIDDEN", _header({"_tensors": [["int8", [1.0]]]}), b"\x00"], "non-negative ints"),
     "spec not a pair": ([b"HIDDEN", _header({"_tensors": [["int8"]]}), b""], "is not \\[dtype, shape\\]"),
     "specs not a list": ([b"HIDDEN", _header({"_tensors": "int8"}), b""], "must be a list"),
-    "hello without protocol": ([b"HELLO", _header({"stage": 0})], "protocol None is not this side's protocol 1"),
-    "hello other protocol": ([b"HELLO", _header({"protocol": 2})], "protocol 2 is not this side's protocol 1"),
+    "hello without protocol": ([b"HELLO", _header({"stage": 0})], f"protocol None is not this side's protocol {PROTOCOL}"),
+    "hello other protocol": ([b"HELLO", _header({"protocol": PROTOCOL + 1})],
+                             f"protocol {PROTOCOL + 1} is not this side's protocol {PROTOCOL}"),
     "welcome other protocol": ([b"WELCOME", _header({"protocol": "1"})], "protocol '1' is not"),
     "ext type": ([b"STEP", _header({"a": msgpack.ExtType(5, b"xyz")})], "ext types are not accepted"),
     "empty ext": ([b"STEP", b"\x81\xa1a\xc7\x00\x05"], "ext types are not accepted \\(got type 5\\)"),
@@ -151,7 +152,7 @@ def test_encode_refuses_bad_input() -> None:
 
 def test_hello_carrying_other_protocol_is_refused_after_encode() -> None:
     frames = encode(wire.HELLO, {"protocol": PROTOCOL + 1, "stage": 1})  # encode keeps an explicit version
-    with pytest.raises(WireError, match="protocol 2 is not this side's protocol 1"):
+    with pytest.raises(WireError, match=f"protocol {PROTOCOL + 1} is not this side's protocol {PROTOCOL}"):
         decode(frames)
 
 

@@ -12,6 +12,7 @@ import torch
 from pool.chunk_map import ChunkMap, OpGap, StaticMap
 from pool.config import Config, ConfigError, config_from_dict
 from pool.memory import PoolMemory
+from pool.wire import PROTOCOL
 from stages.checkpoint import load_checkpoint
 from stages.runner import StageRunner, StaleStep
 from stages.tensors import pool_array
@@ -100,7 +101,7 @@ def test_hello_reports_what_the_coordinator_checks(model_dir, local):
     assert h["config_fp"] == cfg.fingerprint()
     assert {k: h["pool"][k] for k in ("n_chunks", "chunk_cells", "table_chunks", "kv_dtype")} == \
         {"n_chunks": 12, "chunk_cells": 16, "table_chunks": 4, "kv_dtype": "float32"}
-    assert h["device"] == "cpu" and h["version"] == 0 and h["protocol"] == 1 and isinstance(h["pid"], int)
+    assert h["device"] == "cpu" and h["version"] == 0 and h["protocol"] == PROTOCOL and isinstance(h["pid"], int)
     assert h["pool"]["reattached"] is False
 
 
