@@ -5,8 +5,8 @@ order the coordinator sent things: `apply(op)` for each table op, `step(header, 
 step, `load_snapshot(ops)` when the stage (re)joins, `reset()` for a new coordinator session.
 
 Rules:
-- A step runs only when its table `version` equals the mirror's version. Ops always reach a stage before
-  the steps that depend on them, on one ordered stream, so any difference means an op was lost or
+- A step (and a session file's SAVE or LOAD) runs only when its table `version` equals the mirror's
+  version. Ops always reach a stage before the steps that depend on them, on one ordered stream, so any difference means an op was lost or
   reordered: the step is refused with StaleStep and nothing is written, so no step ever runs against
   a stale table.
 - Ops change the mirror first (it refuses gaps), then the changed slot rows are copied into the KV
@@ -15,6 +15,13 @@ Rules:
 - The pool share is one file (pool/memory.py) on CPU; arrays are `torch.frombuffer` views of it, so a
   restarted stage re-attaches the same bytes. A file left by a crash is re-attached when its layout
   matches, replaced otherwise. A clean `close()` removes the file.
+- Generations: OPS carry the generation of every chunk they give to a table (`ChunkMap.generations_of`); the
+  runner writes them into the pool file's header after the ops' bytes moved, and HELLO reports them, so after
+  a crash the coordinator keeps exactly the conversations whose chunks this file still holds for them. They
+  belong to one coordinator session: `reset(session)` zeroes them when the file names another session.
+- Session files (stages/snapshot.py): `save_session` writes cells [0, cells) of a table to this stage's part,
+  `restore_session` checks a part (`check`) or reads it into a table's cells. Names are joined to this
+  stage's own `engine.slot_save_path`, never taken as paths.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import torch
 from pool.chunk_map import TableMirror, region
 from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
+from pool.snapshot import SnapshotError, part_path, snapshot_fingerprint
 from pool.wire import PROTOCOL
 
 from .batch import StepBatch
@@ -34,6 +42,7 @@ from .checkpoint import load_checkpoint
 from .kv_cache import kv_dtype_name
 from .kv_cache import KVCache
 from .model import StageModel, resolve_dtype
+from .snapshot import arrays_of, check_part, load_part, save_part
 from .tensors import pool_array
 
 
@@ -122,6 +131,7 @@ class StageRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "pid": os.getpid(),
             "version": self.mirror.version,
+            "generations": list(self.memory.generations[: e.n_chunks]) if self.memory is not None else None,
         }
 
     def describe(self) -> str:
@@ -144,10 +154,64 @@ class StageRunner:
         for slot in range(self.n_slots):
             self.kv.set_table(slot, self.mirror.entries(slot))
 
-    def reset(self) -> None:
-        """Empty tables at version 0 (a new coordinator session); the K/V bytes stay where they are."""
+    def reset(self, session: str | None = None) -> None:
+        """Empty tables at version 0 (a new coordinator session); the K/V bytes stay where they are.
+
+        With `session`: the pool file's generations are zeroed unless they already belong to that session
+        (a restarted stage rejoining the coordinator that sent them keeps them for it to compare)."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
         self.kv.clear_tables()
+        if self.memory is not None and session is not None and self.memory.session != session:
+            gens = self.memory.generations
+            for c in range(len(gens)):
+                gens[c] = 0
+            self.memory.session = session
+
+    def record_generations(self, pairs: list) -> None:
+        """Note [[chunk, generation], ...] from an OPS message in the pool file (nothing on a device pool)."""
+        if self.memory is None:
+            return
+        gens = self.memory.generations
+        for chunk, generation in pairs:
+            if not 0 <= chunk < len(gens):
+                raise ValueError(f"generation for chunk {chunk}, outside 0..{len(gens) - 1}")
+            gens[chunk] = generation
+
+    # ---- session files -------------------------------------------------------------------------------
+    def _part(self, req: dict) -> tuple[Path, int, dict]:
+        """(path, cells, header fields both sides agree on) of the part a SAVE or LOAD names."""
+        directory = self.cfg.engine.slot_save_path
+        if not directory:
+            raise SnapshotError("session files are disabled on this stage (engine.slot_save_path is not set)")
+        cells = req["cells"]
+        if not 0 < cells <= self.max_context:
+            raise SnapshotError(f"{cells} cells: a session file holds 1..max_context={self.max_context} cells")
+        e = self.cfg.engine
+        fields = {"save_id": req["save_id"], "model_fp": self.model_fp, "n_stages": len(self.cfg.stages),
+                  "config_fp": snapshot_fingerprint(e.dtype, e.kv_dtype, [s.layers for s in self.cfg.stages]),
+                  "kv_dtype": self.kv_dtype, "stage": self.index, "layers": [self.first, self.last],
+                  "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim, "arrays": arrays_of(self.kv)}
+        return part_path(directory, req["name"], self.index), cells, fields
+
+    def _check_version(self, req: dict) -> None:
+        if req.get("version") != self.mirror.version:
+            raise StaleStep(f"{req.get('name')}: needs table version {req.get('version')} but this stage has "
+                            f"applied ops up to version {self.mirror.version}")
+
+    def save_session(self, req: dict) -> int:
+        """SAVE {name, save_id, version, table, cells}: write this stage's part; returns its bytes."""
+        path, cells, fields = self._part(req)
+        self._check_version(req)
+        return save_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields)
+
+    def restore_session(self, req: dict) -> int:
+        """LOAD {name, save_id, cells, check} checks this stage's part; LOAD {..., version, table} (no check)
+        also reads it into the table's cells. Returns the part's bytes."""
+        path, cells, fields = self._part(req)
+        if req.get("check"):
+            return check_part(self.kv, path, cells, fields)
+        self._check_version(req)
+        return load_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields)
 
     # ---- steps ---------------------------------------------------------------------------------------
     def check_step(self, header: dict) -> None:

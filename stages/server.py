@@ -5,15 +5,18 @@
 Shape: bind, build, handshake, loop. Two threads, so a PING is answered while a step computes:
 
     I/O thread (main; owns every socket)                      compute thread (owns the StageRunner)
-    ROUTER  endpoint   <- coordinator: HELLO OPS STEP BYE  ──queue (in order)──>  hello / apply / step
-                       -> HELLO RESULT ERROR PONG          <──inproc PAIR──────   (destination, frames)
+    ROUTER  endpoint   <- coordinator: HELLO OPS STEP      ──queue (in order)──>  hello / apply / step /
+                                       SAVE LOAD BYE                              save / load session files
+                       -> HELLO RESULT ERROR DONE PONG     <──inproc PAIR──────   (destination, frames)
                        <- PING, answered here with PONG at once
     PULL    data       <- HIDDEN from stage i-1  ──> _Hidden (keyed by step) ──>  the step that needs it
     PUSH    next data  -> HIDDEN to stage i+1    <──inproc PAIR──────
 
 Rules:
 - Everything from the coordinator except PING goes through one queue, so ops and steps run in the order
-  they were sent: a step's table version is checked against a mirror that has seen every earlier op.
+  they were sent: a step's table version is checked against a mirror that has seen every earlier op. SAVE and
+  LOAD (session files) take the same queue, so a SAVE reads exactly the cells the steps before it wrote; each
+  is answered with DONE {req, stage, ok, message, nbytes, ms}, whether it worked or not.
 - A step on stage i > 0 waits for the HIDDEN with its step id. Hidden states come in step order from
   stage i-1; one for a later step means this one will never come (stage i-1 refused it, or restarted),
   so the step is dropped. A refused or failed step sends HIDDEN {"step", "error"} on, so later stages
@@ -21,9 +24,11 @@ Rules:
 - An exception in a step is reported (ERROR) and the stage keeps serving. A failure to build (bad
   checkpoint, layer range outside the model) is fatal: ERROR {"fatal": true} to the coordinator (waiting a
   few seconds for it to connect if it has not), then exit status 1.
-- A HELLO with a new session (a restarted coordinator) resets the tables. Every HELLO also drops the
-  steps that came before it, queued or waiting for a hidden state: the coordinator sends HELLO only at
-  start or after failing every step in flight on this stage, so none of them has anyone waiting.
+- A HELLO with a new session (a restarted coordinator) resets the tables (and the pool file's generations,
+  unless they are that session's: then this is a restarted stage rejoining). Every HELLO also drops the
+  steps, SAVEs and LOADs that came before it, queued or waiting for a hidden state: the coordinator sends
+  HELLO only at start or after failing every step in flight on this stage, so none of them has anyone
+  waiting.
 - SIGTERM or SIGINT ends the loop cleanly: the compute thread stops, sockets close, bound ipc socket files
   and the pool file are removed. A crash leaves the pool file for the restarted stage to re-attach.
 - Stale ipc socket files (a crashed stage's) are removed before binding.
@@ -46,7 +51,8 @@ import zmq
 
 from pool.config import Config, ConfigError, load_config
 from pool.logs import event, setup_logging
-from pool.wire import BYE, ERROR, HELLO, HIDDEN, OPS, PING, PONG, RESULT, STEP, WireError, decode, encode
+from pool.wire import (BYE, DONE, ERROR, HELLO, HIDDEN, LOAD, OPS, PING, PONG, RESULT, SAVE, STEP, WireError, decode,
+                       encode)
 
 log = logging.getLogger("strata.stage")
 
@@ -128,10 +134,13 @@ class _Compute(threading.Thread):
                     self._hello(ident, header)
                 elif kind == OPS:
                     self._ops(ident, header)
-                elif kind == STEP and epoch != self.hidden.epoch:
-                    event(log, "step.dropped", stage=self.index, step=header.get("step"), why="sent before a HELLO")
+                elif kind in (STEP, SAVE, LOAD) and epoch != self.hidden.epoch:
+                    event(log, "step.dropped", stage=self.index, step=header.get("step", header.get("req")),
+                          kind=kind, why="sent before a HELLO")
                 elif kind == STEP:
                     self._step(ident, header, tensors, epoch)
+                elif kind in (SAVE, LOAD):
+                    self._session_file(ident, kind, header)
         except Exception as err:  # noqa: BLE001 - steps catch their own errors; this is a bug: fatal, not silent
             event(log, "stage.compute_failed", logging.ERROR, stage=self.index, message=str(err),
                   exc=traceback.format_exc())
@@ -145,7 +154,7 @@ class _Compute(threading.Thread):
     def _hello(self, ident: bytes, header: dict) -> None:
         session = header.get("session")
         if session != self.session:
-            self.runner.reset()
+            self.runner.reset(session)
             self.session = session
         self._to_coord(ident, HELLO, {**self.runner.hello(), "session": session})
 
@@ -156,9 +165,32 @@ class _Compute(threading.Thread):
             else:
                 for op in header["ops"]:
                     self.runner.apply(op)
+            self.runner.record_generations(header.get("generations") or [])  # after the bytes moved
         except Exception as err:  # noqa: BLE001 - a refused op is reported; the next step will be refused too
             event(log, "ops.refused", logging.ERROR, stage=self.index, message=str(err))
             self._to_coord(ident, ERROR, {"message": f"ops refused: {err}", "version": self.runner.version})
+
+    def _session_file(self, ident: bytes, kind: str, header: dict) -> None:
+        """SAVE or LOAD one session file part; the answer (DONE) says whether it worked and why not."""
+        from pool.snapshot import SnapshotError
+
+        t0 = time.perf_counter()
+        try:
+            if kind == SAVE:
+                nbytes = self.runner.save_session(header)
+            else:
+                nbytes = self.runner.restore_session(header)
+            reply = {"ok": True, "nbytes": nbytes}
+        except Exception as err:  # noqa: BLE001 - a refused or failed file is answered; the stage keeps serving
+            level = logging.WARNING if isinstance(err, SnapshotError) else logging.ERROR
+            event(log, "session_file.failed", level, stage=self.index, kind=kind, name=header.get("name"),
+                  message=str(err))
+            reply = {"ok": False, "message": str(err), "refused": isinstance(err, SnapshotError)}
+        ms = round((time.perf_counter() - t0) * 1000, 3)
+        if reply["ok"]:
+            event(log, "session_file.done", stage=self.index, kind=kind, name=header.get("name"),
+                  check=bool(header.get("check")), nbytes=reply["nbytes"], ms=ms)
+        self._to_coord(ident, DONE, {"req": header.get("req"), "stage": self.index, "ms": ms, **reply})
 
     def _step(self, ident: bytes, header: dict, tensors: list, epoch: int) -> None:
         from .tensors import from_raw, to_raw
@@ -320,7 +352,7 @@ class StageServer:
                 self.router.send_multipart([ident, *encode(PONG, pong)])
             elif kind == BYE:
                 event(log, "stage.bye", stage=self.index, session=header.get("session"))
-            elif kind in (HELLO, OPS, STEP):
+            elif kind in (HELLO, OPS, STEP, SAVE, LOAD):
                 if kind == HELLO:  # the coordinator has given up on every step it sent before
                     self.compute.hidden.abandon()
                 if self.fatal is None:
