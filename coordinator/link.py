@@ -24,6 +24,10 @@ Rules:
   sends a snapshot with `send_ops(..., stage=index, snapshot=True)`), and when that returns the stage is up
   again. `stages_up` is only true for stages that are up; steps are refused while any stage is not.
 - An ERROR naming a step fails that step's future with StepFailed; the stage keeps serving.
+- OPS carry `op_generations(ops)` when the scheduler sets it (`ChunkMap.generations_of`): the generation of
+  every chunk the ops hand out, which a stage keeps in its pool file and reports in HELLO (`stage_hello`).
+- `ask(kind, headers)` sends one request per stage (SAVE, LOAD) on the same ordered streams, at once, and its
+  future gets every stage's DONE header, in stage order; it fails with StageDown if a stage goes down first.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pool.config import Config
 from pool.logs import event
-from pool.wire import BYE, ERROR, HELLO, OPS, PING, PONG, PROTOCOL, RESULT, STEP, RawTensor, WireError, decode, encode
+from pool.wire import (BYE, DONE, ERROR, HELLO, OPS, PING, PONG, PROTOCOL, RESULT, STEP, RawTensor, WireError, decode,
+                       encode)
 
 log = logging.getLogger("strata.link")
 
@@ -126,9 +131,12 @@ class StageLink:
         self.session = uuid.uuid4().hex[:12]
         self.on_stage_up: Callable[[int], Any] | None = None
         self.on_stage_down: Callable[[int, str], Any] | None = None
+        self.op_generations: Callable[[list], list] | None = None
         self._ctx = zmq.asyncio.Context()
         self._peers = [_Peer(i, s.endpoint) for i, s in enumerate(cfg.stages)]
         self._inflight: dict[int, asyncio.Future] = {}
+        self._asks: dict[int, tuple[asyncio.Future, dict[int, dict]]] = {}  # req -> (future, DONE by stage)
+        self._last_ask = 0
         self._last_step = -1
         self._heartbeat: asyncio.Task | None = None
         self._started = False
@@ -150,6 +158,10 @@ class StageLink:
                 info["reason"] = p.reason
             out.append(info)
         return out
+
+    def stage_hello(self, index: int) -> dict | None:
+        """The HELLO stage `index` was accepted with (the latest one after a rejoin)."""
+        return self._peers[index].hello
 
     # ---- handshake -----------------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> None:
@@ -239,6 +251,8 @@ class StageLink:
                 self._on_error(p, header)
             elif kind == HELLO:
                 self._on_hello(p, header)
+            elif kind == DONE:
+                self._on_done(p, header)
             else:
                 event(log, "stage.unexpected", logging.WARNING, stage=p.index, kind=kind)
 
@@ -258,6 +272,15 @@ class StageLink:
             fut.set_exception(StepFailed(step, p.index, message))
         elif step is None:
             event(log, "stage.error", logging.WARNING, stage=p.index, message=message)
+
+    def _on_done(self, p: _Peer, header: dict) -> None:
+        pending = self._asks.get(header.get("req"))
+        if pending is None or pending[0].done():
+            return
+        fut, answers = pending
+        answers[p.index] = header
+        if len(answers) == len(self._peers):
+            fut.set_result([answers[i] for i in range(len(self._peers))])
 
     def _on_hello(self, p: _Peer, header: dict) -> None:
         if p.waiter is not None:
@@ -323,7 +346,7 @@ class StageLink:
         event(log, "stage.down", logging.ERROR, stage=p.index, reason=reason)
         p.state, p.reason, p.pong = "down", reason, {}
         err = StageDown(p.index, reason)
-        for fut in self._inflight.values():
+        for fut in [*self._inflight.values(), *(f for f, _ in self._asks.values())]:
             if not fut.done():
                 fut.set_exception(err)
         if self.on_stage_down is not None:
@@ -336,7 +359,8 @@ class StageLink:
         """Send table ops (in order) to every stage, or to one; `snapshot` replaces the stage's tables."""
         if not ops and not snapshot:
             return
-        frames = encode(OPS, {"ops": ops, "snapshot": snapshot})
+        gens = self.op_generations(ops) if self.op_generations is not None else []
+        frames = encode(OPS, {"ops": ops, "snapshot": snapshot, "generations": gens})
         for p in self._peers if stage is None else [self._peers[stage]]:
             if p.state != "down" and p.sock is not None:
                 self._send(p, frames)
@@ -364,6 +388,21 @@ class StageLink:
             self._send(p, frames)
         return fut
 
+    def ask(self, kind: str, headers: list[dict]) -> asyncio.Future:
+        """Send `headers[i]` (with a fresh "req" id) to stage i now, in order with everything sent before; the
+        future gets the stages' DONE headers in stage order, or fails with StageDown."""
+        for p in self._peers:
+            if p.state != "up":
+                raise StageDown(p.index, p.reason or p.state)
+        self._last_ask += 1
+        req = self._last_ask
+        fut = asyncio.get_running_loop().create_future()
+        self._asks[req] = (fut, {})
+        fut.add_done_callback(lambda _f: self._asks.pop(req, None))
+        for p, header in zip(self._peers, headers):
+            self._send(p, encode(kind, {**header, "req": req}))
+        return fut
+
     async def step(self, header: dict, tokens: list[int]) -> dict:
         """`submit` and wait for the result."""
         return await self.submit(header, tokens)
@@ -376,7 +415,7 @@ class StageLink:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         bye = encode(BYE, {"session": self.session})
-        for fut in self._inflight.values():
+        for fut in [*self._inflight.values(), *(f for f, _ in self._asks.values())]:
             if not fut.done():
                 fut.set_exception(StageDown(0, "the link is closed"))
         for p in self._peers:

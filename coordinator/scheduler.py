@@ -13,6 +13,11 @@ stage works at the same time.
 
 Pool full, in this order: idle held conversations give way (`pool.policy.eviction_plan`), then a new request
 is refused with `kv_pool_full`; a decoding slot that cannot grow ends with `length` and `truncated`.
+
+A stage that goes down fails the requests running or waiting; idle held conversations stay until it is back.
+Its HELLO then reports the chunk generations its pool file holds (a restarted CPU stage re-attaches the file):
+a conversation whose chunks all have the generations of the chunk map is kept, the others are dropped.
+Session files (`save_slot`, `restore_slot`, coordinator/slot_files.py) pin their slot while they run.
 """
 from __future__ import annotations
 
@@ -76,11 +81,13 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
         self.step_ids = itertools.count(1)
-        self.counters = {"evictions": 0, "refusals": {}, "truncations": 0, "moves": 0}
+        self.counters = {"evictions": 0, "refusals": {}, "truncations": 0, "moves": 0, "lost": 0}
+        self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         link.on_stage_up = self._stage_up
         link.on_stage_down = self._stage_down
+        link.op_generations = self.map.generations_of  # the stages keep them to tell what survives a crash
 
     # ---- Engine protocol -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -93,6 +100,18 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+    async def save_slot(self, slot: int, filename: str) -> dict:
+        """llama.cpp's `POST /slots/{id}?action=save`: the idle slot's conversation into session files."""
+        from .slot_files import save_slot
+
+        return await save_slot(self, slot, filename)
+
+    async def restore_slot(self, slot: int, filename: str) -> dict:
+        """llama.cpp's `POST /slots/{id}?action=restore`: a saved conversation into the idle slot."""
+        from .slot_files import restore_slot
+
+        return await restore_slot(self, slot, filename)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent | Finished]:
         if not req.prompt:
@@ -184,8 +203,9 @@ class Scheduler:
         """Drop the conversation held by an idle slot (llama.cpp `POST /slots/{id}?action=erase`)."""
         if not 0 <= slot < self.parallel:
             raise EngineError.invalid(f"slot {slot} does not exist (0..{self.parallel - 1})", param="id")
-        if self.jobs[slot] is not None:
-            raise EngineError(409, "slot_busy", f"slot {slot} is processing a request", type="invalid_request_error")
+        if self.jobs[slot] is not None or slot in self.pinned:
+            what = "processing a request" if self.jobs[slot] is not None else "being saved or restored"
+            raise EngineError(409, "slot_busy", f"slot {slot} is {what}", type="invalid_request_error")
         conv = self.held.pop(slot, None)
         self.map.release(slot)
         self._wake.set()
@@ -197,7 +217,7 @@ class Scheduler:
 
     def _idle_slot(self, exclude: int | None = None) -> int | None:
         """A slot with no job: an empty one first, else the least recently used held one."""
-        free = [s for s in range(self.parallel) if self.jobs[s] is None and s != exclude]
+        free = [s for s in range(self.parallel) if self.jobs[s] is None and s != exclude and s not in self.pinned]
         empty = [s for s in free if s not in self.held]
         if empty:
             return empty[0]
@@ -251,7 +271,7 @@ class Scheduler:
         parks the slot's previous conversation in the matched table's place.
         """
         prompt = job.req.prompt
-        match = best_match(prompt, list(self.held.values()))
+        match = best_match(prompt, [c for c in self.held.values() if c.table not in self.pinned])
         if match is not None and match.conversation.table < self.parallel:
             slot = match.conversation.table
         else:
@@ -406,7 +426,8 @@ class Scheduler:
 
     # ---- stages coming and going -----------------------------------------------------------------
     def _stage_down(self, index: int, reason: str) -> None:
-        """K/V on a lost stage cannot be trusted: running jobs fail, held conversations are dropped."""
+        """Running and waiting requests fail; idle held conversations wait for the stage to come back, when
+        `_stage_up` keeps the ones its pool file still holds."""
         err = EngineError.stage_down(f"stage {index} is down: {reason}")
         for job in [j for j in self.jobs if j is not None]:
             self._fail(job, err)
@@ -414,12 +435,22 @@ class Scheduler:
             job.done = True
             job.events.put_nowait(err)
         self.waiting.clear()
-        for table in list(self.held):
-            self._evict(table)
 
     def _stage_up(self, index: int) -> None:
         """A (re)joined stage gets the whole table state; pending ops go to the others first, so the
-        snapshot and the other stages' mirrors stand at the same version."""
+        snapshot and the other stages' mirrors stand at the same version. Before that, held conversations
+        whose chunks the stage's generations do not vouch for are dropped (ChunkMap.intact)."""
+        hello = self.link.stage_hello(index) or {}
+        gens = hello.get("generations")
+        lost = [t for t in self.held if not self.map.intact(t, gens)]
+        for table in lost:
+            self.held.pop(table)
+            self.map.release(table)
+            if table >= self.parallel:
+                self.map.drop_table(table)
+        self.counters["lost"] += len(lost)
+        event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
+              reattached=hello.get("pool", {}).get("reattached"))
         pending = self.map.drain_ops()
         if pending:
             for i in range(len(self.cfg.stages)):

@@ -1,0 +1,174 @@
+"""Session files, the coordinator's side: llama.cpp's `POST /slots/{id}?action=save|restore`.
+
+The coordinator writes and reads the tokens part (`<slot_save_path>/<name>`); each stage its own K/V part
+(`<name>.stage<i>`), asked with SAVE / LOAD on the ordered stream (pool/snapshot.py has the format).
+
+Save (an idle slot holding a conversation):
+  1. pin the slot (no admission uses it), send pending ops, then SAVE {name, save_id, version, table, cells} to
+     every stage: each stage writes the cells the steps before it wrote, read through the slot's table;
+  2. when every stage has answered ok, write the tokens part (last, so a complete tokens part means the stages'
+     parts were written; parts of a failed save are never paired with another save's: save_id).
+Restore (an idle slot):
+  1. read and check the tokens part (model, config, kv dtype, number of stages, hash): a refusal is a 400 and
+     changes nothing;
+  2. LOAD {check} to every stage: each reads its whole part (header, geometry, size, hash) and writes nothing;
+     a refusal is a 400 naming the stage and why, and changes nothing;
+  3. reserve the cells in a new table (the usual eviction plan first; 503 kv_pool_full if it cannot), send the
+     ops, LOAD {version, table}: each stage reads its part into the new table's chunks;
+  4. commit: the new table moves into the slot (a swap, no copy with the pool on) and the slot's previous
+     conversation, if any, is parked. If step 3 fails the new table is released: free cells are as before.
+Errors: no `engine.slot_save_path` 501 `not_supported`; a bad filename or slot 400; a busy slot 409 `slot_busy`;
+a stage down 503 `stage_down`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pool.snapshot import SnapshotError, check_name, part_path, read_tokens, snapshot_fingerprint, write_tokens
+from pool.wire import LOAD, SAVE
+
+from .conversations import Conversation
+from .engine import EngineError
+from .link import StageDown
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def _directory(sched: Scheduler) -> Path:
+    directory = sched.cfg.engine.slot_save_path
+    if not directory:
+        raise EngineError(501, "not_supported", "slot save/restore is disabled: start the server with "
+                          "engine.slot_save_path set to a directory", type="invalid_request_error")
+    return Path(directory)
+
+
+def _name(filename: object) -> str:
+    try:
+        return check_name(filename)
+    except SnapshotError as err:
+        raise EngineError.invalid(str(err), param="filename") from None
+
+
+def _check_idle(sched: Scheduler, slot: int) -> None:
+    if not 0 <= slot < sched.parallel:
+        raise EngineError.invalid(f"slot {slot} does not exist (0..{sched.parallel - 1})", param="id")
+    if sched.jobs[slot] is not None or slot in sched.pinned:
+        what = "processing a request" if sched.jobs[slot] is not None else "being saved or restored"
+        raise EngineError(409, "slot_busy", f"slot {slot} is {what}", type="invalid_request_error")
+
+
+def _fields(sched: Scheduler) -> dict:
+    """What every part of a save records and a restore must find: model, config, kv dtype, stages."""
+    hello = sched.link.stage_hello(0) or {}
+    e = sched.cfg.engine
+    return {"model_fp": hello.get("model_fp"), "n_stages": len(sched.cfg.stages),
+            "config_fp": snapshot_fingerprint(e.dtype, e.kv_dtype, [s.layers for s in sched.cfg.stages]),
+            "kv_dtype": hello.get("pool", {}).get("kv_dtype")}
+
+
+def _send_ops(sched: Scheduler) -> None:
+    ops = sched.map.drain_ops()
+    if ops:
+        sched.link.send_ops(ops)
+
+
+async def _ask(sched: Scheduler, kind: str, header: dict) -> list[dict]:
+    """Every stage's DONE for `header`; the first failure as an EngineError."""
+    try:
+        answers = await sched.link.ask(kind, [header] * len(sched.cfg.stages))
+    except StageDown as err:
+        raise EngineError.stage_down(str(err)) from None
+    for a in answers:
+        if not a.get("ok"):
+            message = f"stage {a.get('stage')}: {a.get('message')}"
+            if a.get("refused"):
+                raise EngineError.invalid(message, param="filename")
+            raise EngineError.internal(message)
+    return answers
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
+    """Save the conversation idle slot `slot` holds; llama.cpp's answer shape plus nothing."""
+    directory, name = _directory(sched), _name(filename)
+    _check_idle(sched, slot)
+    conv = sched.held.get(slot)
+    if conv is None or not conv.tokens:
+        raise EngineError.invalid(f"slot {slot} holds no conversation to save", param="id")
+    tokens, save_id, t0 = list(conv.tokens), uuid.uuid4().hex, time.perf_counter()
+    sched.pinned.add(slot)
+    try:
+        _send_ops(sched)
+        answers = await _ask(sched, SAVE, {"name": name, "save_id": save_id, "version": sched.map.version,
+                                           "table": slot, "cells": len(tokens)})
+        try:
+            nbytes = write_tokens(part_path(directory, name), {**_fields(sched), "save_id": save_id}, tokens)
+        except OSError as err:
+            raise EngineError.internal(f"{name}: {err}") from None
+    finally:
+        sched.pinned.discard(slot)
+        sched._wake.set()
+    return {"id_slot": slot, "filename": name, "n_saved": len(tokens),
+            "n_written": nbytes + sum(a["nbytes"] for a in answers), "timings": {"save_ms": _ms(t0)}}
+
+
+def _new_table(sched: Scheduler) -> int | None:
+    table = sched.map.new_table()
+    if table is None:  # StaticMap: its one park region holds a conversation, which gives way
+        for t in [t for t in sched.held if t >= sched.parallel]:
+            sched._evict(t)
+        table = sched.map.new_table()
+    return table
+
+
+def _give_back(sched: Scheduler, table: int) -> None:
+    sched.map.release(table)
+    sched.map.drop_table(table)
+
+
+async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
+    """Restore a saved conversation into idle slot `slot`; its previous conversation is parked."""
+    directory, name = _directory(sched), _name(filename)
+    _check_idle(sched, slot)
+    t0 = time.perf_counter()
+    try:
+        header, tokens, nbytes = read_tokens(part_path(directory, name), **_fields(sched))
+    except SnapshotError as err:
+        raise EngineError.invalid(str(err), param="filename") from None
+    n = len(tokens)
+    if not 0 < n <= sched.max_context:
+        raise EngineError.invalid(f"{name} holds {n} tokens; this server's max_context is {sched.max_context}",
+                                  param="filename")
+    req = {"name": name, "save_id": header["save_id"], "cells": n}
+    sched.pinned.add(slot)
+    table = None
+    try:
+        await _ask(sched, LOAD, {**req, "check": True})
+        table = _new_table(sched)
+        if table is None or not sched._reserve(table, n):
+            raise EngineError.kv_pool_full(n, sched.map.free_cells, sched.cfg.coordinator.retry_after_s)
+        _send_ops(sched)
+        answers = await _ask(sched, LOAD, {**req, "version": sched.map.version, "table": table})
+        old = sched.held.pop(slot, None)
+        sched.map.swap(slot, table)
+        if old is not None:
+            old.table = table
+            sched.held[table] = old
+        else:
+            _give_back(sched, table)
+        table = None
+        sched.held[slot] = Conversation(slot, tokens)
+    finally:
+        if table is not None:
+            _give_back(sched, table)
+        sched.pinned.discard(slot)
+        sched._wake.set()
+    return {"id_slot": slot, "filename": name, "n_restored": n,
+            "n_read": nbytes + sum(a["nbytes"] for a in answers), "timings": {"restore_ms": _ms(t0)}}
