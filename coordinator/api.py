@@ -7,6 +7,8 @@ Routes
   GET  /health                                         engine.health(); 503 while a stage is down
   GET  /slots                                          engine.slots(), llama.cpp style
   POST /slots/{id}?action=erase, POST /slots?action=erase   drop one idle slot's conversation, or all idle ones
+  POST /slots/{id}?action=save|restore  {"filename": f}      an idle slot's conversation to / from session files
+                                                       in engine.slot_save_path (501 without it; slot_files.py)
   GET  /metrics                                        Prometheus text; `?format=json` for {"live": ...}
   GET  /openapi.json                                   the OpenAPI schema; request bodies are schemas.py's models
 
@@ -20,6 +22,7 @@ Rules
 from __future__ import annotations
 
 import hmac
+import json
 import time
 
 from fastapi import FastAPI, Request
@@ -70,7 +73,7 @@ def make_app(cfg: Config, engine: Engine, tokenizer: Tokenizer) -> FastAPI:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(openapi_schemas())
+            components.update(openapi_schemas(engine.max_context, tokenizer.vocab_size, front.served_models))
             for name in ("HTTPValidationError", "ValidationError"):  # bad input is a 400 here, never a 422
                 components.pop(name, None)
             for path in schema.get("paths", {}).values():
@@ -140,12 +143,26 @@ def make_app(cfg: Config, engine: Engine, tokenizer: Tokenizer) -> FastAPI:
 
     @app.post("/slots/{slot_id}")
     async def slot_action(request: Request, slot_id: int, action: str | None = None) -> dict:
-        """llama.cpp's `POST /slots/{id}?action=erase`: drop the conversation an idle slot holds."""
+        """llama.cpp's `POST /slots/{id}?action=erase|save|restore`: drop the conversation an idle slot holds,
+        or save it to / restore it from the session files the body's `filename` names."""
         await auth(request)
-        if action != "erase":
-            raise ApiError.bad_request(f"action={action!r}: supported actions are erase", param="action")
-        n = engine.erase_slot(slot_id)
-        return {"id_slot": slot_id, "n_erased": n}
+        if action == "erase":
+            return {"id_slot": slot_id, "n_erased": engine.erase_slot(slot_id)}
+        if action not in ("save", "restore"):
+            raise ApiError.bad_request(f"action={action!r}: supported actions are erase, save and restore",
+                                       param="action")
+        if not cfg.engine.slot_save_path:
+            raise ApiError(501, "not_supported", f"action={action}: slot save/restore is disabled; start the server "
+                           "with engine.slot_save_path set to a directory", type="invalid_request_error")
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise ApiError.bad_request('the body must be a JSON object: {"filename": "..."}')
+        if action == "save":
+            return await engine.save_slot(slot_id, body.get("filename"))
+        return await engine.restore_slot(slot_id, body.get("filename"))
 
     @app.get("/metrics")
     async def metrics_route(format: str | None = None) -> Response:

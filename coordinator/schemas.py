@@ -33,6 +33,19 @@ _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type",
 TextContent = Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, _TEXT_PARTS]})]
 """A string, or a list of text parts joined into one by `_join_text_parts` (what the schema shows)."""
 
+# What the validators below accept, for the OpenAPI schema (a fuzzer reads it to make valid requests).
+_NONEMPTY = {"type": "string", "minLength": 1}
+_NULL = {"type": "null"}
+
+
+def _stops_schema(limit: int, single: bool) -> dict:
+    many = {"type": "array", "items": _NONEMPTY, "maxItems": limit}
+    return {"json_schema_extra": {"anyOf": [_NONEMPTY, many, _NULL] if single else [many, _NULL]}}
+
+
+def _only(value: Any) -> dict:
+    return {"json_schema_extra": {"anyOf": [{"const": value}, _NULL]}}
+
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem of a body: "temperature: Input should be a valid number"."""
@@ -93,8 +106,8 @@ class _OpenAISampling(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
-    n: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    n: int | None = Field(None, **_only(1))
+    stop: str | list[str] | None = Field(None, validate_default=True, **_stops_schema(MAX_STOPS_OPENAI, True))
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -126,7 +139,15 @@ class _OpenAISampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _content_required(schema: dict) -> None:
+    """The schema asks every message for content; the model lets an assistant turn go without."""
+    schema["required"] = ["role", "content"]
+    schema["properties"]["content"] = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_content_required)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent | None = None
     name: str | None = None
@@ -170,11 +191,12 @@ class ChatRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[int]
-    echo: bool = False
+    prompt: str | list[int] = Field(json_schema_extra={"anyOf": [
+        _NONEMPTY, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})
+    echo: bool = Field(False, json_schema_extra={"const": False})
     logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, **_only(1))
+    suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"type": "string", "maxLength": 0}, _NULL]})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -239,7 +261,7 @@ class _AnthropicPrompt(_Body):
 
 class MessagesRequest(_AnthropicPrompt):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, validate_default=True)
+    stop_sequences: list[str] | None = Field(None, validate_default=True, **_stops_schema(MAX_STOPS_ANTHROPIC, False))
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
@@ -275,7 +297,21 @@ def json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
 
 
-def openapi_schemas() -> dict[str, dict]:
-    """components.schemas for every body model and the models they nest, as `json_body` refers to them."""
+def openapi_schemas(max_context: int, vocab_size: int, served: list[str]) -> dict[str, dict]:
+    """components.schemas for every body model and the models they nest, as `json_body` refers to them,
+    with this server's limits: max_tokens below `max_context`, token ids below `vocab_size`, an OpenAI
+    `model` among the `served` names (Anthropic clients may name any model)."""
     _, top = models_json_schema([(m, "validation") for m in BODY_MODELS], ref_template=_REF)
-    return top["$defs"]
+    defs = top["$defs"]
+    for name in ("ChatRequest", "CompletionRequest"):
+        defs[name]["properties"]["model"]["anyOf"] = [{"enum": list(served)}, _NULL]
+    for model in defs.values():
+        props = model.get("properties", {})
+        for name in ("max_tokens", "max_completion_tokens"):
+            for branch in props.get(name, {}).get("anyOf", [props.get(name, {})]):
+                if branch.get("type") == "integer":
+                    branch["maximum"] = max_context - 1
+        for branch in props.get("prompt", {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch["items"]["maximum"] = vocab_size - 1
+    return defs

@@ -20,7 +20,8 @@ from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fake_engine import running_front
 
 LIMIT = 12 * 1024 * 1024  # coordinator.max_body_bytes of every server these cases are sent to
-CHAT, COMPLETIONS, MESSAGES, COUNT = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES, COUNT = "/v1/messages", "/v1/messages/count_tokens"
 USER = [{"role": "user", "content": "Say hello."}]
 
 
