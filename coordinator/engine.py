@@ -180,3 +180,13 @@ class Engine(Protocol):
     def flush_cache(self) -> int:
         """Every idle held conversation (slots and parked) gives its cells back; returns the cells freed."""
         ...
+
+    async def save_slot(self, slot: int, filename: str) -> dict:
+        """An idle slot's conversation into session files (llama.cpp's answer: id_slot, filename, n_saved,
+        n_written, timings); EngineError 400 for a bad name or empty slot, 409 busy, 501 disabled."""
+        ...
+
+    async def restore_slot(self, slot: int, filename: str) -> dict:
+        """A saved conversation into an idle slot (id_slot, filename, n_restored, n_read, timings); EngineError
+        400 for a refused file (the message says why), 409 busy, 503 kv_pool_full; a refusal changes nothing."""
+        ...

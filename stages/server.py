@@ -183,12 +183,12 @@ class _Compute(threading.Thread):
             reply = {"ok": True, "nbytes": nbytes}
         except Exception as err:  # noqa: BLE001 - a refused or failed file is answered; the stage keeps serving
             level = logging.WARNING if isinstance(err, SnapshotError) else logging.ERROR
-            event(log, "session_file.failed", level, stage=self.index, kind=kind, name=header.get("name"),
+            event(log, "session_file.failed", level, stage=self.index, kind=kind, file=header.get("name"),
                   message=str(err))
             reply = {"ok": False, "message": str(err), "refused": isinstance(err, SnapshotError)}
         ms = round((time.perf_counter() - t0) * 1000, 3)
         if reply["ok"]:
-            event(log, "session_file.done", stage=self.index, kind=kind, name=header.get("name"),
+            event(log, "session_file.done", stage=self.index, kind=kind, file=header.get("name"),
                   check=bool(header.get("check")), nbytes=reply["nbytes"], ms=ms)
         self._to_coord(ident, DONE, {"req": header.get("req"), "stage": self.index, "ms": ms, **reply})
 

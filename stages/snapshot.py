@@ -63,7 +63,7 @@ def open_part(kv: KVCache, path: str | Path, cells: int, expect: dict) -> PartRe
     """Open a part and check its header against `expect` and this stage's geometry (not yet the hash)."""
     reader = PartReader(path)
     try:
-        reader.expect(part="kv", n_tokens=cells, **expect)
+        reader.expect(part="kv", **expect, n_tokens=cells)  # which save first: its message says more
         if reader.header["payload_nbytes"] != payload_nbytes(kv, cells):
             raise SnapshotError(f"{reader.path.name}: the header is corrupt ({reader.header['payload_nbytes']} "
                                 f"payload bytes for {cells} cells of {kv.bytes_per_cell} bytes)")
