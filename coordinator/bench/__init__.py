@@ -4,6 +4,7 @@
     strata bench paged    decode step through shuffled chunk tables vs one contiguous K/V tensor
     strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn)
     strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
+    strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
 
 Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
 The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, and the torch
@@ -116,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trials", type=int, default=3)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
+    soak = sub.add_parser("soak", help="many clients for a bounded time; errors, latency, pool free after erase")
+    common(soak)
+    soak.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
+    soak.add_argument("--clients", type=int, default=64)
+    soak.add_argument("--seconds", type=float, default=60.0)
+    soak.add_argument("--api-key", default=None)
+    soak.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--max-tokens", type=int, default=64, help="upper bound of a request's max_tokens")
+    soak.add_argument("--stream-share", type=float, default=0.5)
+    soak.add_argument("--disconnect-share", type=float, default=0.25, help="of streams, dropped mid-stream")
+    soak.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+
     peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers (and llama.cpp), same weights")
     common(peers)
     peers.add_argument("--arch", default="qwen3")
@@ -161,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             long_tokens = 4 * args.prompt_tokens if args.long_tokens is None else args.long_tokens
             result = run_serve_sync(cfg, args.concurrency, args.requests, long_tokens=long_tokens,
                                     question_tokens=args.question_tokens, trials=args.trials)
+        elif args.bench == "soak":
+            from .soak import SoakConfig, run_soak_sync
+
+            result = run_soak_sync(SoakConfig(
+                url=args.url, clients=args.clients, seconds=args.seconds, api_key=args.api_key, model=args.model,
+                seed=args.seed, timeout_s=args.timeout, stream_share=args.stream_share,
+                disconnect_share=args.disconnect_share, max_tokens=args.max_tokens))
         else:
             from .peers import run_peers
 
@@ -169,4 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata bench {args.bench}: {err}", file=sys.stderr)
         return 1
     publish(result, args.out, plot=plot)
+    if args.bench == "soak":  # a soak is also a check: unexpected outcomes or a dirty pool fail it
+        return 0 if result["summary"]["clean"] and not result["summary"]["unexpected"] else 1
     return 0
