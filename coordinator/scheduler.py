@@ -34,13 +34,25 @@ from pool.config import Config
 from pool.logs import event
 from pool.policy import Candidate, eviction_plan
 
-from .conversations import Conversation, best_match
+from .conversations import Conversation, Match, best_match
 from .engine import EngineError, Finished, GenRequest, TokenEvent
 from .link import StageDown, StageLink, StepFailed
 
 log = logging.getLogger("strata.scheduler")
 
 RANK_CACHED = 1  # a held or parked conversation someone may come back to
+
+
+def worth_taking(match: Match, prompt_len: int) -> bool:
+    """Whether a new prompt takes over the held conversation it matches (reusing that table in place).
+
+    Yes when the prompt continues the whole conversation (nothing is lost), or when the shared part is at least
+    half of the prompt (an answer asked again, a late branch). A smaller match would cut another conversation
+    short to save a few tokens (every chat prompt shares the template's first tokens, often a system prompt), so
+    it is ignored: the request starts cold in an idle slot, and the conversation stays whole (parked if its slot
+    is needed).
+    """
+    return match.reuse >= len(match.conversation.tokens) or 2 * match.reuse >= prompt_len
 
 
 @dataclass
@@ -268,10 +280,12 @@ class Scheduler:
 
         The slot is the matched conversation's own slot when it sits in one; otherwise an idle slot, whose held
         conversation is parked (moved out) first. A parked match comes into the slot by a table swap, which
-        parks the slot's previous conversation in the matched table's place.
+        parks the slot's previous conversation in the matched table's place. A match not `worth_taking` is none.
         """
         prompt = job.req.prompt
         match = best_match(prompt, [c for c in self.held.values() if c.table not in self.pinned])
+        if match is not None and not worth_taking(match, len(prompt)):
+            match = None
         if match is not None and match.conversation.table < self.parallel:
             slot = match.conversation.table
         else:

@@ -341,3 +341,27 @@ def test_a_moved_conversation_is_reused_only_by_its_own_next_turn(narrow):
         assert cold[:2] == warm[name][:2], name
         assert cold[2] == pytest.approx(warm[name][2], abs=1e-4)
 
+
+def test_chat_conversations_taking_turns_keep_their_own_cache(narrow):
+    """Three chat users on two slots, turn by turn. Every chat prompt starts with the same template tokens, so a
+    new conversation shares a few tokens with every held one; that must not make it take over (and cut short)
+    another user's conversation: it takes an idle slot, parking the least recently used conversation, and each
+    user's next turn reuses everything its own conversation holds."""
+    model_dir, oa = narrow.data["model"], narrow.openai()
+    users = {name: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{name}, tell me a tale."}]
+             for name in ("Ann", "Bob", "Cy")}
+    held, firsts = {}, {}
+    for name, messages in users.items():
+        r = oa.chat.completions.create(model=narrow.model, messages=messages, max_tokens=12, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0, name
+        prompt = oracle_chat_ids(model_dir, messages)
+        tokens, ended = oracle_greedy(model_dir, prompt, 12)
+        held[name] = prompt + (tokens if ended else tokens[:-1])
+        firsts[name] = len(prompt)
+        users[name] = messages + [{"role": "assistant", "content": r.choices[0].message.content},
+                                  {"role": "user", "content": "Go on."}]
+    for name, messages in users.items():
+        r = oa.chat.completions.create(model=narrow.model, messages=messages, max_tokens=4, temperature=0)
+        turn = oracle_chat_ids(model_dir, messages)
+        shared = next(i for i, (a, b) in enumerate(zip(turn + [-1], held[name] + [-2])) if a != b)
+        assert r.usage.prompt_tokens_details.cached_tokens == shared >= firsts[name], name  # its own first turn
