@@ -155,6 +155,8 @@ class _Compute(threading.Thread):
         session = header.get("session")
         if session != self.session:
             self.runner.reset(session)
+            event(log, "stage.session", stage=self.index, session=session, previous=self.session,
+                  generations=sum(1 for g in self.runner.hello()["generations"] or [] if g))
             self.session = session
         self._to_coord(ident, HELLO, {**self.runner.hello(), "session": session})
 
