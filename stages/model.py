@@ -11,6 +11,19 @@ every layer, Qwen2/Qwen3 on the layers `layer_types` (or `max_window_layers`) na
 
 The first stage also holds the embedding, the last one the final norm and lm_head (the embedding when tied).
 Local layer l of the stage is global layer `first + l`; the KV cache is indexed by local layer.
+
+Fused at load time, so a step makes fewer, larger calls (each call has a fixed cost that a small batch of
+decodes does not hide):
+
+    qkv.weight       [q | k | v] rows of q_proj, k_proj, v_proj        one linear for all three
+    gate_up.weight   [gate | up] rows of gate_proj, up_proj            one linear for both
+    qk_norm.weight   [heads + kv_heads, head_dim]: q_norm per q head, k_norm per k head (Qwen3)
+
+q and k are normed and rotated together as one `[T, heads + kv_heads, head_dim]` tensor. Each output element
+is the same dot product (or the same elementwise formula) as with separate calls; the original names stay in
+a layer's dict as row views of the fused tensors (no second copy). Missing biases are zeros in a fused bias.
+Rotary cos/sin are kept per position in a table grown on demand (except `dynamic` rope, whose frequencies
+depend on the context length).
 """
 from __future__ import annotations
 
@@ -28,6 +41,8 @@ from stages.rope import Rope, apply_rope
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+ROPE_TABLE_MIN = 1024  # positions in the first rotary table
+ROPE_TABLE_MAX = 65536  # past this, cos/sin are computed per step (a table would be [positions, head_dim] x 2)
 
 
 @dataclass(frozen=True)
@@ -123,9 +138,12 @@ class StageModel:
         names = self._tensor_names(ckpt)
         w = ckpt.tensors(names, self.device, self.dtype, label=f"layers {first}-{last - 1}")
         self.layers = [
-            {key[len(f"model.layers.{g}."):]: t for key, t in w.items() if key.startswith(f"model.layers.{g}.")}
+            _fuse({key[len(f"model.layers.{g}."):]: t for key, t in w.items() if key.startswith(f"model.layers.{g}.")},
+                  self.spec)
             for g in range(first, last)
         ]
+        self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
+        self._rope_sin: torch.Tensor | None = None
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
         self.lm_head = None
@@ -201,13 +219,23 @@ class StageModel:
             h = F.embedding(x.to(self.device, torch.long), self.embed)
         else:
             h = x.to(self.device, self.dtype)
-        cos, sin = self.rope.cos_sin(batch.positions, self.dtype, batch.token_context)
+        cos, sin = self._cos_sin(batch)
         for local, layer in enumerate(self.layers):
             h = self._layer(local, layer, h, cos, sin, batch, kv)
         if not self.is_last:
             return h
-        rows = h if logits_all else h[batch.sample_rows]
+        rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
         return F.linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, head_dim]` of the step's positions: rows of the table (built as `Rope.cos_sin` builds
+        them, so the values are the same), grown to the next power of two past the longest context seen."""
+        if self.rope.dynamic or batch.max_context > ROPE_TABLE_MAX:
+            return self.rope.cos_sin(batch.positions, self.dtype, batch.token_context)
+        if self._rope_cos is None or self._rope_cos.shape[0] < batch.max_context:
+            n = min(ROPE_TABLE_MAX, max(ROPE_TABLE_MIN, 1 << (batch.max_context - 1).bit_length()))
+            self._rope_cos, self._rope_sin = self.rope.cos_sin(torch.arange(n, device=self.device), self.dtype)
+        return self._rope_cos[batch.positions], self._rope_sin[batch.positions]
 
     def _layer(
         self,
@@ -220,22 +248,44 @@ class StageModel:
         kv: KVCache,
     ) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
-        eps = s.rms_norm_eps
+        eps, heads, kv_heads, head_dim = s.rms_norm_eps, s.num_heads, s.kv_heads, s.head_dim
         h = rms_norm(x, w["input_layernorm.weight"], eps)
-        q = _linear(h, w, "self_attn.q_proj").view(n, s.num_heads, s.head_dim)
-        k = _linear(h, w, "self_attn.k_proj").view(n, s.kv_heads, s.head_dim)
-        v = _linear(h, w, "self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
-        if "self_attn.q_norm.weight" in w:
-            q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
-            k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(n, kv_heads, head_dim)
+        if "qk_norm.weight" in w:
+            qk = rms_norm(qk, w["qk_norm.weight"], eps)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
         write_kv(kv, local, batch, k, v)
         attn = paged_attention(q, kv, local, batch, self.scale, self.sliding_windows[local])
         x = x + _linear(attn, w, "self_attn.o_proj")
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
-        mlp = F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj")
+        gate_up = F.linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
+        mlp = F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:]
         return x + _linear(mlp, w, "mlp.down_proj")
 
 
 def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Add the fused tensors (module docstring) to one layer's dict; the parts become row views of them."""
+    for fused, parts in (("qkv", [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]),
+                         ("gate_up", ["mlp.gate_proj", "mlp.up_proj"])):
+        weights = [w[p + ".weight"] for p in parts]
+        w[fused + ".weight"] = torch.cat(weights)
+        if any(p + ".bias" in w for p in parts):
+            w[fused + ".bias"] = torch.cat([w.get(p + ".bias", torch.zeros_like(t[:, 0])) for p, t in zip(parts, weights)])
+        at = 0
+        for p, t in zip(parts, weights):
+            rows = t.shape[0]
+            w[p + ".weight"] = w[fused + ".weight"][at:at + rows]
+            if fused + ".bias" in w:
+                w[p + ".bias"] = w[fused + ".bias"][at:at + rows]
+            at += rows
+    if "self_attn.q_norm.weight" in w:
+        q_norm, k_norm = w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]
+        w["qk_norm.weight"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.kv_heads, -1)])
+    return w
