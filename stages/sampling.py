@@ -23,6 +23,9 @@ Reproducibility: a row draws exactly one uniform number from its slot's own CPU 
 token and picks the token by inverse CDF, so a seed gives the same tokens whatever else is in the batch
 and on any device (up to the logits themselves). Rows whose parameters are the defaults pass through every
 step unchanged (x / 1, x - 0, no mask), so the batch is processed as one tensor without per-row branches.
+A batch whose rows are all greedy and unpenalised (the common decode step) skips the steps that cannot
+change anything for it: its tokens are the argmax of the logits and its logprobs one log_softmax, the same
+values the full path gives.
 """
 from __future__ import annotations
 
@@ -206,8 +209,16 @@ class Sampler:
         Returns (token, logprob, top) per row, top being the `logprobs` most likely (id, logprob) pairs,
         most likely first (empty when 0), and records each token in its slot's state.
         """
-        probs, logprobs = self.distribution(logits, slots)
         params = [self._slot(s) for s in slots]
+        if all(p.greedy and not p.penalised for p in params):
+            # What `distribution` gives for such rows, without its one-hot: the argmax of the logits and the
+            # log_softmax at temperature 1 (x / 1 and the unpenalised copy change no value).
+            if logits.dim() != 2 or logits.shape != (len(slots), self.vocab):
+                raise ValueError(f"logits shape {tuple(logits.shape)} != ({len(slots)}, {self.vocab})")
+            x = logits.float()
+            tokens, logprobs = x.argmax(dim=-1), x.log_softmax(dim=-1)
+            return self._finish(tokens, logprobs, slots, params)
+        probs, logprobs = self.distribution(logits, slots)
         tokens = probs.argmax(dim=-1)
         if not all(p.greedy for p in params):
             # Inverse CDF with one uniform per sampled row from the slot's own generator; greedy rows
@@ -219,10 +230,15 @@ class Sampler:
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=self.vocab - 1)
             # Rounding could land past the last token with mass; the top token is then the honest answer.
             tokens = torch.where(probs.gather(1, drawn) > 0, drawn, tokens[:, None])[:, 0]
+        return self._finish(tokens, logprobs, slots, params)
+
+    def _finish(self, tokens: torch.Tensor, logprobs: torch.Tensor, slots: list[int],
+                params: list[SamplingParams]) -> list[SampleResult]:
+        """Record the chosen tokens in the penalty state and return (token, logprob, top) per row."""
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         n_top = min(max(p.logprobs for p in params), self.vocab)
         if self._seen is not None:
-            idx = torch.tensor(slots, dtype=torch.long, device=probs.device)
+            idx = torch.tensor(slots, dtype=torch.long, device=tokens.device)
             self._seen[idx, tokens] = True
             self._counts.index_put_((idx, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         tokens_l, chosen_l = tokens.tolist(), chosen.tolist()

@@ -217,3 +217,27 @@ def test_top_p_boundary_is_inclusive_as_in_transformers():
     want = _hf_probs(logits, [], {"top_p": 0.5})
     assert int((probs > 0).sum()) == int((want > 0).sum()) == 2
     assert torch.equal(probs, want)
+
+
+@pytest.mark.parametrize("penalty_state", [False, True])
+def test_all_greedy_batch_gives_what_the_full_path_gives(penalty_state):
+    """A batch of greedy, unpenalised rows takes a short path; tokens, logprobs and top lists match the full
+    path (distribution), ties included, and the penalty state (allocated by another slot) still records them."""
+    s = Sampler(4, V)
+    if penalty_state:
+        s.reset(3, {"temperature": 0.7, "presence_penalty": 0.5})
+    logits = _logits(3, 11)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins on both paths
+    for slot, n_top in ((0, 0), (1, 3), (2, 5)):
+        s.reset(slot, {"temperature": 0, "logprobs": n_top})
+    got = s.sample(logits, [0, 1, 2])
+    _, logprobs = s.distribution(logits, [0, 1, 2])
+    want_tokens = logits.argmax(-1).tolist()
+    assert [t for t, _, _ in got] == want_tokens and want_tokens[1] == 5
+    for b, (token, lp, top) in enumerate(got):
+        assert lp == logprobs[b, token].item()
+        k = (0, 3, 5)[b]
+        vals, ids = logprobs[b].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert top == list(zip(ids.tolist(), vals.tolist()))
+    if penalty_state:
+        assert s._counts[[0, 1, 2], want_tokens].tolist() == [1, 1, 1]
