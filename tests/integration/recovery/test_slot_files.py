@@ -220,3 +220,23 @@ def test_busy_slots_and_a_full_pool_refuse_a_restore_and_change_nothing(box, coo
     front.http.post("/slots", params={"action": "erase"})  # only slot `full`'s conversation may match now
     assert slot_action(front, full, "restore", "conv1").status_code == 200
     same_run(chat(front, turn2(first)), reference)
+
+
+def test_without_the_pool_a_restore_lands_in_the_park_region_and_moves_in_by_copy(box, coordinator):
+    """Pool off (the baseline): the restore reads into the park table's fixed region, then the move into the
+    slot is an "exchange" (a byte copy), and the slot's previous conversation is parked in its place."""
+    b = box(2, pool=False, max_context=128)
+    enable_saves(b)
+    b.start_all()
+    front = coordinator(b)
+    first = chat(front, TURN1)
+    r = slot_action(front, 0, "save", "conv1")
+    assert r.status_code == 200, r.text
+    never_saved = chat(front, turn2(first))
+    front.http.post("/slots", params={"action": "erase"})
+    chat(front, SCRIBBLE)  # slot 0's region now holds other cells, and a conversation to park
+    r = slot_action(front, 0, "restore", "conv1")
+    assert r.status_code == 200, r.text
+    pool = front.live()["kv_pool"]
+    assert pool["slots"][0]["tokens"] == r.json()["n_restored"] and len(pool["parked"]) == 1, pool
+    same_run(chat(front, turn2(first)), never_saved)
