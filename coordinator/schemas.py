@@ -10,6 +10,8 @@ Rules:
 - Numbers travel to the stages in msgpack and torch tensors, so every one is bounded here: `seed` and `top_k`
   fit int64 (a top_k past the vocabulary keeps every token), `repetition_penalty` is at most
   `MAX_REPETITION_PENALTY`. An unbounded value would otherwise fail a step, or the scheduler, far from the request.
+  A temperature below `GREEDY_BELOW` is sent as 0 (greedy), as vLLM does: the stages sample in float32, where
+  a temperature of 1e-38 or less is 0 or subnormal and the division yields no usable distribution.
 - `/openapi.json` describes every body with these models (`json_body`, `openapi_schemas`), so a schema-driven
   fuzzer generates meaningful requests; the routes still read the body themselves (`Front.parse`).
 """
@@ -26,6 +28,7 @@ MAX_STOPS_OPENAI = 4
 MAX_STOPS_ANTHROPIC = 16
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 10.0
+GREEDY_BELOW = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
@@ -86,6 +89,12 @@ def _stop_list(value: Any, limit: int) -> list[str]:
     return stops
 
 
+def _greedy_floor(sampling: dict) -> dict:
+    if sampling["temperature"] < GREEDY_BELOW:
+        sampling["temperature"] = 0.0
+    return sampling
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -132,7 +141,7 @@ class _OpenAISampling(_Body):
             if value is not None:
                 out[key] = value
         out["top_k"] = max(0, out["top_k"])
-        return out
+        return _greedy_floor(out)
 
     @property
     def include_usage(self) -> bool:
@@ -279,7 +288,7 @@ class MessagesRequest(_AnthropicPrompt):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
-        return out
+        return _greedy_floor(out)
 
 
 class CountTokensRequest(_AnthropicPrompt):

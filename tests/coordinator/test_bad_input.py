@@ -165,7 +165,9 @@ EDGE_CASES: list[Case] = [
     Case("top_k at int64 max", CHAT, chat(top_k=2**63 - 1), status=200),
     Case("top_k -1 (off)", CHAT, chat(top_k=-1), status=200),
     Case("repetition_penalty at its bound", CHAT, chat(repetition_penalty=10.0), status=200),
-    Case("temperature 0 and 2", CHAT, chat(temperature=2, top_p=1e-9, min_p=1.0), status=200),
+    Case("temperature 2", CHAT, chat(temperature=2, top_p=1e-9, min_p=1.0), status=200),
+    Case("temperature 1e-300", CHAT, chat(temperature=1e-300, seed=3), status=200),
+    Case("anthropic temperature 5e-324", MESSAGES, anth(temperature=5e-324), status=200),
     Case("logprobs at their bounds", CHAT, chat(logprobs=True, top_logprobs=20), status=200),
     Case("completions logprobs 5", COMPLETIONS, comp(logprobs=5, prompt=[1, 2, 3]), status=200),
     Case("NUL and a surrogate pair", CHAT, chat(messages=[{"role": "user", "content": "a\x00b \U0001F600"}]),
@@ -242,6 +244,13 @@ def test_extreme_but_valid_input_is_served(env, client, case):
     assert resp.status_code == 200, (case.name, resp.text[:300])
     (req,) = env.engine.requests
     assert env.engine.wait_closed(req.request_id, 5)
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat(temperature=1e-300)), (MESSAGES, anth(temperature=9e-6))])
+def test_a_temperature_too_small_for_float32_is_sent_as_greedy(env, client, path, body):
+    assert client.post(env.url + path, json=body).status_code == 200
+    (req,) = env.engine.requests
+    assert req.sampling["temperature"] == 0.0
 
 
 def test_a_chunked_body_over_the_limit_is_413(env):

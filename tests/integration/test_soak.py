@@ -198,6 +198,18 @@ def test_extreme_but_valid_input_reaches_the_stages_and_is_served(server):
     server.check_clean()
 
 
+def test_a_temperature_below_float32_samples_as_greedy(server):
+    """1e-300 is 0 in the stages' float32; the front sends it as greedy instead of a division by zero."""
+    texts = []
+    for temperature in (0, 1e-300):
+        body = {**chat_body(), "max_tokens": 8, "temperature": temperature}
+        resp = server.http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] and texts[0]
+    server.check_clean()
+
+
 # ---- the soak -------------------------------------------------------------------------------------------
 def test_a_short_soak_gives_only_documented_refusals_and_leaves_the_pool_whole(server):
     result = asyncio.run(run_soak(SoakConfig(url=server.url, clients=16, seconds=10, api_key=KEY, seed=1)))
