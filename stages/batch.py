@@ -19,8 +19,8 @@ batch (`B` entries, `Q` = the largest n); attention no longer uses them, so they
     query_pos   [B, Q]   its position; padding rows use position 0
     token_seq / token_row [T]   the way back: token t is query (token_seq[t], token_row[t])
 
-Building a step costs a handful of small tensors made from Python lists (no per-token Python work beyond
-the positions), because a decode step of a small model is short enough for that to show.
+Building a step makes one tensor (the positions) plus what the groups need; every other index tensor is made
+on first read.
 """
 from __future__ import annotations
 
@@ -59,23 +59,20 @@ class AttentionGroup:
 
 @dataclass(eq=False)
 class StepBatch:
-    """Index tensors (int64 unless stated) of one step; build it with `StepBatch.from_slots`."""
+    """One step's entries and index tensors; build it with `StepBatch.from_slots`.
+
+    Every layer needs `positions` (rotary) and the attention groups; the other tensors (int64 unless stated)
+    are made from Python lists the first time something reads them, so a step pays only for what its
+    stage uses (a small decode step is short enough for a dozen tensor constructions to show).
+    """
 
     slots: list[tuple[int, int, int, int]]
     device: torch.device
     num_tokens: int  # T
     max_new: int  # Q, the largest n
     max_context: int  # L, the longest start + n
-    slot_ids: torch.Tensor  # [B] slot of each entry
-    starts: torch.Tensor  # [B]
-    counts: torch.Tensor  # [B] n
-    context_lens: torch.Tensor  # [B] start + n
-    cu_seqlens: torch.Tensor  # int32 [B + 1]
     positions: torch.Tensor  # [T]
-    token_slot: torch.Tensor  # [T] slot of each token
-    token_context: torch.Tensor  # [T] context length of its entry
-    sample_rows: torch.Tensor  # [S] last token row of each entry with sample=1, in entry order
-    sample_slots: list[int]  # the slots of those rows
+    sample_slots: list[int]  # the slots of the entries with sample=1, in entry order
     groups: list[AttentionGroup]  # the decode group first (when there are decodes), then one per prefill entry
     cu: list[int]  # cu_seqlens as a list
     # Per-step values derived from the KV tables (attention fills it): the tables must not change mid-step.
@@ -90,19 +87,59 @@ class StepBatch:
         """Every entry reads one token (the decode group is the whole step, rows in order)."""
         return self.max_new == 1
 
-    # The whole step as one padded batch; built on first read (attention does not use it).
+    @cached_property
+    def slot_ids(self) -> torch.Tensor:
+        """[B] slot of each entry."""
+        return self._tensor([e[0] for e in self.slots])
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """[B] first position of each entry."""
+        return self._tensor([e[1] for e in self.slots])
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """[B] n of each entry."""
+        return self._tensor([e[2] for e in self.slots])
+
+    @cached_property
+    def context_lens(self) -> torch.Tensor:
+        """[B] start + n of each entry."""
+        return self._tensor([e[1] + e[2] for e in self.slots])
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [B + 1]: entry b owns rows cu_seqlens[b] .. cu_seqlens[b+1]-1."""
+        return self._tensor(self.cu, torch.int32)
+
+    @cached_property
+    def token_slot(self) -> torch.Tensor:
+        """[T] slot of each token."""
+        return self._tensor([slot for slot, _, n, _ in self.slots for _ in range(n)])
+
+    @cached_property
+    def token_context(self) -> torch.Tensor:
+        """[T] context length (start + n) of each token's entry."""
+        return self._tensor([start + n for _, start, n, _ in self.slots for _ in range(n)])
+
+    @cached_property
+    def sample_rows(self) -> torch.Tensor:
+        """[S] last token row of each entry with sample=1, in entry order."""
+        return self._tensor([self.cu[b + 1] - 1 for b, e in enumerate(self.slots) if e[3]])
+
+    # The whole step as one padded batch (module docstring); attention does not use it.
     @cached_property
     def token_seq(self) -> torch.Tensor:
-        return self._dev(torch.repeat_interleave(torch.arange(self.num_seqs), self.counts.cpu()))
+        return self._tensor([b for b, (_, _, n, _) in enumerate(self.slots) for _ in range(n)])
 
     @cached_property
     def token_row(self) -> torch.Tensor:
-        return self._dev(torch.tensor([t - self.cu[b] for b, (_, _, n, _) in enumerate(self.slots)
-                                       for t in range(self.cu[b], self.cu[b] + n)], dtype=torch.int64))
+        return self._tensor([i for _, _, n, _ in self.slots for i in range(n)])
 
     @cached_property
     def query_valid(self) -> torch.Tensor:
-        return self._dev(torch.arange(self.max_new)[None, :] < self.counts.cpu()[:, None])
+        counts = torch.tensor([e[2] for e in self.slots])
+        return self._dev(torch.arange(self.max_new)[None, :] < counts[:, None])
 
     @cached_property
     def query_index(self) -> torch.Tensor:
@@ -113,14 +150,18 @@ class StepBatch:
     @cached_property
     def query_pos(self) -> torch.Tensor:
         i = torch.arange(self.max_new)[None, :]
-        return self._dev(torch.where(self.query_valid.cpu(), self.starts.cpu()[:, None] + i, 0))
+        starts = torch.tensor([e[1] for e in self.slots])[:, None]
+        return self._dev(torch.where(self.query_valid.cpu(), starts + i, 0))
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return self._dev(torch.tensor(values, dtype=dtype))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
     @classmethod
     def from_slots(cls, slots: list, device: torch.device | str = "cpu") -> "StepBatch":
-        """Build the step's index tensors from `[[slot, start, n, sample], ...]`.
+        """Build the step from `[[slot, start, n, sample], ...]`.
 
         Rules: at least one entry; n >= 1; start >= 0; sample is 0 or 1; a slot appears at most once per step
         (two entries writing one table in one step would race).
@@ -139,38 +180,17 @@ class StepBatch:
         cu = [0]
         for e in entries:
             cu.append(cu[-1] + e[2])
-        slot_l = [e[0] for e in entries]
-        start_l = [e[1] for e in entries]
-        count_l = [e[2] for e in entries]
-        context_l = [s + n for s, n in zip(start_l, count_l)]
-        if all(n == 1 for n in count_l):  # a decode step: one row per entry
-            positions_l, token_slot_l, token_context_l = start_l, slot_l, context_l
+        if cu[-1] == len(entries):  # a decode step: one row per entry
+            positions = [e[1] for e in entries]
         else:
-            positions_l, token_slot_l, token_context_l = [], [], []
-            for slot, start, n, _ in entries:
-                positions_l.extend(range(start, start + n))
-                token_slot_l.extend([slot] * n)
-                token_context_l.extend([start + n] * n)
-        sample_rows_l = [cu[b + 1] - 1 for b, e in enumerate(entries) if e[3]]
-
-        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+            positions = [p for _, start, n, _ in entries for p in range(start, start + n)]
         return cls(
             slots=entries,
             device=device,
             num_tokens=cu[-1],
-            max_new=max(count_l),
-            max_context=max(context_l),
-            slot_ids=tensor(slot_l),
-            starts=tensor(start_l),
-            counts=tensor(count_l),
-            context_lens=tensor(context_l),
-            cu_seqlens=tensor(cu, torch.int32),
-            positions=tensor(positions_l),
-            token_slot=tensor(token_slot_l),
-            token_context=tensor(token_context_l),
-            sample_rows=tensor(sample_rows_l),
+            max_new=max(e[2] for e in entries),
+            max_context=max(e[1] + e[2] for e in entries),
+            positions=torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True),
             sample_slots=[e[0] for e in entries if e[3]],
             groups=_groups(entries, cu, device),
             cu=cu,
