@@ -62,6 +62,40 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "*")
+
+
+def _machine(endpoint: str) -> str:
+    """Which machine an endpoint's stage runs on, as far as the config says: "local" or the tcp host."""
+    if not endpoint.startswith("tcp://"):
+        return "local"  # ipc:// and inproc:// are this machine's
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    return "local" if host in LOCAL_HOSTS else host
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def stage_threads(cfg: Config, index: int) -> int:
+    """Torch CPU threads for stage `index`; 0 leaves torch's default.
+
+    `engine.threads` when set. Otherwise a CPU stage gets this machine's cores shared evenly among the CPU
+    stages the config puts on the same machine (at least one each): torch's default gives every process all
+    the cores, and two stages that each run a thread per core spin against each other, which makes a step
+    several times slower (docs/BENCHMARKS.md). A GPU stage keeps torch's default (its CPU threads only
+    launch work).
+    """
+    if cfg.engine.threads:
+        return cfg.engine.threads
+    stage = cfg.stages[index]
+    if stage.device != "cpu":
+        return 0
+    here = _machine(stage.endpoint)
+    sharing = sum(1 for s in cfg.stages if s.device == "cpu" and _machine(s.endpoint) == here)
+    return max(1, _cores() // sharing)
+
+
 class StageRunner:
     """Layers `cfg.stages[index].layers` with their KV pool share; see the module docstring for the rules."""
 
@@ -70,8 +104,9 @@ class StageRunner:
         self.cfg, self.index = cfg, index
         self.first, self.last = stage.layers
         self.device = torch.device(stage.device)
-        if e.threads:
-            torch.set_num_threads(e.threads)
+        threads = stage_threads(cfg, index)
+        if threads:
+            torch.set_num_threads(threads)  # from the compute thread, which runs every op of the stage
         self.ckpt = load_checkpoint(resolve_model_dir(cfg.model))
         n_layers = self.ckpt.num_layers
         if self.last > n_layers:
