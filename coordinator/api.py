@@ -14,7 +14,8 @@ Routes
 
 Rules
 - With `coordinator.api_key` set, /v1/* and /slots need it, as `Authorization: Bearer <key>` or
-  `x-api-key: <key>` (both clients' ways); /health and /metrics stay open for probes and scrapers.
+  `x-api-key: <key>` (both clients' ways); /health and /metrics stay open for probes and scrapers, and
+  /openapi.json for clients and fuzzers (it describes the routes, nothing served).
 - Every error is an EngineError rendered in the shape of the route's API family (api_errors.py): bad input
   is 400 (never FastAPI's 422), an oversized body 413, a refusal 503 with Retry-After.
 - A client that goes away before its response starts gets nothing (499 in the access log).

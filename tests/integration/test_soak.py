@@ -175,9 +175,10 @@ def test_the_api_key_is_enforced_in_both_header_styles(server, method, path, bod
     server.check_clean()
 
 
-def test_health_and_metrics_stay_open(server):
+def test_health_metrics_and_the_schema_stay_open(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+    assert "/v1/chat/completions" in httpx.get(server.url + "/openapi.json", timeout=10).json()["paths"]
 
 
 # ---- bad input ------------------------------------------------------------------------------------------
