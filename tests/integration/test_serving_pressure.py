@@ -5,7 +5,7 @@ Two boxes, each started once for the module:
   chunks of 16 (48 chunks), prompts of ~300 tokens (19 chunks each): two such conversations fill the pool
   when they grow, so a third prompt is refused and a decode runs out of room;
 - `narrow`: 2 slots and at most 2 waiting requests, for the queue and for conversations that move
-  between slots.
+  between slots; once with the shared pool and once without it (the baseline, where a move copies bytes).
 
 A refusal happens before the first token, so even a streamed request gets it as an HTTP 503 (the front waits
 for the engine's first event before it answers); an error after the stream began is an event inside the
@@ -14,6 +14,8 @@ stream, checked here by killing a stage while two streams run.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
+import json
 import os
 import signal
 import threading
@@ -37,10 +39,13 @@ def pressure(strata_up):
     return strata_up(parallel=4, max_context=512, kv_pool_tokens=768, chunk_cells=16, prefill_chunk=64)
 
 
-@pytest.fixture(scope="module")
-def narrow(strata_up):
-    return strata_up(parallel=2, max_context=1024, kv_pool_tokens=4096, chunk_cells=16, prefill_chunk=64,
-                     max_waiting=2)
+@pytest.fixture(scope="module", params=["pool", "baseline"])
+def narrow(request, strata_up):
+    """Two slots, two places in the queue; with the shared pool, and without it (moves copy bytes)."""
+    server = strata_up(parallel=2, max_context=1024, kv_pool_tokens=4096 if request.param == "pool" else 0,
+                       chunk_cells=16, prefill_chunk=64, max_waiting=2)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -260,33 +265,44 @@ def test_an_error_after_the_stream_began_is_an_event_carrying_its_code(pressure)
     assert err2.value.body["type"] == "error" and err2.value.body["error"]["type"] == "api_error"
     assert err2.value.body["error"]["message"].startswith("stage_down: ")
     pressure.wait_healthy(90)  # `strata up` restarts the stage; the coordinator takes it back
-    pressure.erase_all()
-    assert oa.completions.create(**probe).choices[0].text == before
+    again = oa.completions.create(**probe)  # the probe's idle conversation survived in the re-attached pool
+    assert again.usage.prompt_tokens_details.cached_tokens == len(probe["prompt"]) - 1
+    assert again.choices[0].text == before
 
 
 # ---- the queue --------------------------------------------------------------------------------------------
-def test_a_full_queue_is_refused_and_a_disconnect_lets_the_next_in(narrow):
+def test_a_full_queue_is_refused_and_clients_that_leave_free_their_places(narrow):
     oa = narrow.openai()
-    streams = [oa.chat.completions.create(model=narrow.model, messages=user(f"Story number {i}."), max_tokens=900,
+    streams = [oa.chat.completions.create(model=narrow.model, messages=user(f"Story number {i}."), max_tokens=1000,
                                           temperature=0, stream=True) for i in range(2)]
     for s in streams:
         next(s)
-    with cf.ThreadPoolExecutor(2) as pool:
-        queued = [pool.submit(oa.completions.create, model=narrow.model, prompt=[100 + 9 * i + k for k in range(12)],
-                              max_tokens=6, temperature=0) for i in range(2)]
-        while narrow.live()["waiting"] < 2:
-            assert not any(q.done() for q in queued), [q.result() for q in queued if q.done()]
-            time.sleep(0.01)
+    body = {"model": narrow.model, "prompt": [150 + k for k in range(12)], "max_tokens": 6, "temperature": 0}
+    leaver = http.client.HTTPConnection("127.0.0.1", narrow.port, timeout=30)  # a raw client, to leave at will
+    with cf.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(oa.completions.create, **{**body, "prompt": [100 + k for k in range(12)]})
+        leaver.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        wait_for(lambda: narrow.live()["waiting"] == 2, "two requests waiting")
         before = counters(narrow)
         calls = refusals(narrow, user("One more, please."), 8, "queue_full")
         for call in calls:
             call()
         assert counters(narrow)["queue_full"] - before["queue_full"] == len(calls)
-        assert not any(q.done() for q in queued)
-        for s in streams:  # each client that leaves hands its slot to a waiting request
-            s.close()
-        answers = [q.result(timeout=30) for q in queued]
-    assert [a.usage.completion_tokens for a in answers] == [6, 6]
+        leaver.close()  # a waiting client that leaves gives its place back at once
+        wait_for(lambda: narrow.live()["waiting"] == 1, "the leaver's place freed", timeout=2)
+        assert all(s["is_processing"] for s in narrow.slots()) and not queued.done()
+        t0 = time.monotonic()
+        streams[0].close()  # a running client that leaves hands its slot to the waiting request
+        answer = queued.result(timeout=30)
+        assert time.monotonic() - t0 < 5 and answer.usage.completion_tokens == 6
+        streams[1].close()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.01)
 
 
 # ---- conversations that move -------------------------------------------------------------------------------
