@@ -16,8 +16,8 @@ from stages.snapshot import check_part, load_part, save_part
 HEADER = {"save_id": "s1", "model_fp": "m", "config_fp": "c", "kv_dtype": "float32", "n_stages": 1}
 
 
-def cache(kv_dtype: str = "float32", chunk_cells: int = 16, n_chunks: int = 8) -> KVCache:
-    return KVCache(2, n_chunks, chunk_cells, 2, 8, kv_dtype, "cpu", 4, 64 // chunk_cells)
+def cache(kv_dtype: str = "float32", chunk_cells: int = 16, n_chunks: int = 8, device: str = "cpu") -> KVCache:
+    return KVCache(2, n_chunks, chunk_cells, 2, 8, kv_dtype, device, 4, 64 // chunk_cells)
 
 
 def fill(kv: KVCache, seed: int) -> None:
@@ -29,23 +29,27 @@ def fill(kv: KVCache, seed: int) -> None:
             arr.copy_(torch.randn(arr.shape, generator=g))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
 def cells(kv: KVCache, entries: list[int], n: int) -> list[torch.Tensor]:
     """Every array's cells [0, n) of a table, in cell order (the reference reader)."""
     pos = torch.arange(n)
     idx = torch.tensor(entries)[pos // kv.chunk_cells] * kv.chunk_cells + pos % kv.chunk_cells
-    return [arr.reshape(-1, *arr.shape[2:])[idx].clone() for arr in kv.arrays()]
+    return [arr.reshape(-1, *arr.shape[2:])[idx.to(arr.device)].cpu() for arr in kv.arrays()]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
-def test_cells_come_back_through_another_table_and_chunk_size(tmp_path: Path, kv_dtype: str) -> None:
-    src, n = cache(kv_dtype), 37  # 3 chunks of 16, the last one partly
+def test_cells_come_back_through_another_table_and_chunk_size(tmp_path: Path, kv_dtype: str, device: str) -> None:
+    src, n = cache(kv_dtype, device=device), 37  # 3 chunks of 16, the last one partly
     fill(src, 1)
     table = [5, 2, 7, 8]  # out of order, trash past the third
     part = tmp_path / "c.stage0"
     nbytes = save_part(src, table, n, part, {**HEADER, "kv_dtype": kv_dtype})
     assert nbytes == part.stat().st_size and nbytes > n * src.bytes_per_cell
     assert check_part(src, part, n, {**HEADER, "kv_dtype": kv_dtype}) == nbytes
-    dst = cache(kv_dtype, chunk_cells=32, n_chunks=4)  # another pool: 32-cell chunks, other chunk ids
+    dst = cache(kv_dtype, chunk_cells=32, n_chunks=4, device=device)  # another pool: 32-cell chunks, other ids
     fill(dst, 2)
     before = [a.clone() for a in dst.arrays()]
     load_part(dst, [3, 0, 4], n, part, {**HEADER, "kv_dtype": kv_dtype})
