@@ -249,7 +249,8 @@ def read_tokens(path: str | Path, **want: Any) -> tuple[dict, list[int], int]:
         r.expect(part="tokens", **want)
         n = r.header["n_tokens"]
         if r.header["payload_nbytes"] != 4 * n:
-            raise SnapshotError(f"{r.path.name}: the header is corrupt ({n} tokens in {r.header['payload_nbytes']} bytes)")
+            raise SnapshotError(f"{r.path.name}: the header is corrupt ({n} tokens in "
+                                f"{r.header['payload_nbytes']} bytes)")
         tokens = list(struct.unpack(f"<{n}i", r.read(4 * n)))
         r.verify()
         return r.header, tokens, r.nbytes
