@@ -188,6 +188,7 @@ def test_full_pool_refuses_every_route_and_truncates_a_decode(pressure, family):
     assert len(cut) == 1 == after["truncations"] - before["truncations"]
     assert after["evictions"] > before["evictions"]  # the other one grew into the cut conversation's cells
     for r, limit in zip(results, limits):
+        assert "tokens" not in r or len(r["tokens"]) == r["completion"]  # usage counts the tokens streamed
         if r["truncated"]:
             assert r["finish"] == ("length" if family == "openai" else "max_tokens") and r["completion"] < limit
         else:
@@ -328,11 +329,11 @@ def test_a_moved_conversation_is_reused_only_by_its_own_next_turn(narrow):
 
     before = counters(narrow)
     with cf.ThreadPoolExecutor(2) as pool:  # together, so neither reuses the other's shared part
-        warm = dict(zip(firsts, pool.map(lambda p: ask(p, 40), firsts.values())))
+        warm = dict(zip(firsts, pool.map(lambda p: ask(p, 120), firsts.values())))
     assert [w[3] for w in warm.values()] == [0, 0]
     conversations = {}
     for name, prompt in firsts.items():
-        tokens, ended = oracle_greedy(model_dir, prompt, 40)
+        tokens, ended = oracle_greedy(model_dir, prompt, 120)
         assert warm[name][0] == oracle_decode(model_dir, tokens)
         conversations[name] = prompt + tokens + ([511] if ended else [])
     home = {name: slot_holding({len(c) - 1}) for name, c in conversations.items()}
