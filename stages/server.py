@@ -4,13 +4,15 @@
 
 Shape: bind, build, handshake, loop. Two threads, so a PING is answered while a step computes:
 
-    I/O thread (main; owns every socket)                      compute thread (owns the StageRunner)
+    I/O thread (main; ROUTER and PULL)                        compute thread (the StageRunner, PUSH)
     ROUTER  endpoint   <- coordinator: HELLO OPS STEP      ──queue (in order)──>  hello / apply / step /
                                        SAVE LOAD BYE                              save / load session files
                        -> HELLO RESULT ERROR DONE PONG     <──inproc PAIR──────   (destination, frames)
                        <- PING, answered here with PONG at once
     PULL    data       <- HIDDEN from stage i-1  ──> _Hidden (keyed by step) ──>  the step that needs it
-    PUSH    next data  -> HIDDEN to stage i+1    <──inproc PAIR──────
+                                                                PUSH next data -> HIDDEN to stage i+1
+The compute thread owns the PUSH socket (no other thread touches it): a step's hidden states leave as soon
+as they are computed, without a hop through the I/O thread.
 
 Rules:
 - Everything from the coordinator except PING goes through one queue, so ops and steps run in the order
@@ -102,13 +104,15 @@ class _Hidden:
 class _Compute(threading.Thread):
     """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
 
-    def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int) -> None:
+    def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int,
+                 next_data: str | None = None) -> None:
         super().__init__(name="stage-compute", daemon=True)
         self.build = build
         self.ctx = ctx
         self.index = index
         self.has_prev = index > 0
         self.has_next = index < n_stages - 1
+        self.next_data = next_data  # the next stage's data endpoint (PUSH from this thread)
         self.items: queue.Queue = queue.Queue()
         self.hidden = _Hidden()
         self.runner: Any = None
@@ -119,6 +123,12 @@ class _Compute(threading.Thread):
         out = self.ctx.socket(zmq.PAIR)
         out.connect("inproc://stage-results")
         self.out = out
+        self.push = None
+        if self.has_next:
+            self.push = self.ctx.socket(zmq.PUSH)
+            for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+                self.push.setsockopt(opt, 0)
+            self.push.connect(self.next_data)
         try:
             self.runner = self.build()
         except Exception as err:  # noqa: BLE001 - any failure to build is reported to the peer, then fatal
@@ -224,7 +234,7 @@ class _Compute(threading.Thread):
             self.stats["busy"] = False
         self.stats["steps_run"] += 1
         if self.has_next:
-            self.out.send_multipart([b"N", *encode(HIDDEN, {"step": sid}, [to_raw(out)])], copy=False)
+            self._to_next(encode(HIDDEN, {"step": sid}, [to_raw(out)]))
         else:
             self._to_coord(ident, RESULT, {"step": sid, "tokens": out})
 
@@ -244,7 +254,13 @@ class _Compute(threading.Thread):
 
     def _pass_error(self, sid: int, message: str) -> None:
         if self.has_next:
-            self.out.send_multipart([b"N", *encode(HIDDEN, {"step": sid, "error": message})])
+            self._to_next(encode(HIDDEN, {"step": sid, "error": message}))
+
+    def _to_next(self, frames: list) -> None:
+        try:
+            self.push.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            event(log, "hidden.dropped", logging.WARNING, stage=self.index, why="next stage not connected")
 
 
 def _bind(sock: zmq.Socket, endpoint: str, bound: list[Path]) -> None:
@@ -272,13 +288,11 @@ class StageServer:
         self.results = self.ctx.socket(zmq.PAIR)
         self.results.bind("inproc://stage-results")
         self.pull = self._socket(zmq.PULL) if index > 0 else None
-        self.push = self._socket(zmq.PUSH) if index < len(cfg.stages) - 1 else None
         _bind(self.router, stage.endpoint, self.bound)
         if self.pull is not None:
             _bind(self.pull, stage.data, self.bound)
-        if self.push is not None:
-            self.push.connect(cfg.stages[index + 1].data)
-        self.compute = _Compute(build, self.ctx, index, len(cfg.stages))
+        next_data = cfg.stages[index + 1].data if index < len(cfg.stages) - 1 else None
+        self.compute = _Compute(build, self.ctx, index, len(cfg.stages), next_data)
         self.peer: bytes | None = None  # the coordinator's identity, once it has said anything
         self.fatal: str | None = None
         self.ready = False
@@ -323,11 +337,6 @@ class StageServer:
             dest = frames[0].bytes
             if dest == b"C":
                 self.router.send_multipart(frames[1:], copy=False)
-            elif dest == b"N":
-                try:
-                    self.push.send_multipart(frames[1:], zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    event(log, "hidden.dropped", logging.WARNING, stage=self.index, why="next stage not connected")
             elif dest == b"R":
                 self.ready = True
                 event(log, "stage.ready", stage=self.index, detail=self.compute.runner.describe())
