@@ -365,19 +365,25 @@ class Scheduler:
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
         return header, tokens, members
 
+    @staticmethod
+    def _step_error(err: Exception, step: int) -> EngineError:
+        if isinstance(err, StageDown):
+            return EngineError.stage_down(str(err))
+        if isinstance(err, StepFailed):  # the stage is fine; this step's work failed there
+            return EngineError(500, "step_failed", str(err))
+        log.error("step %s failed: %r", step, err)
+        return EngineError.internal(f"step {step} failed: {err}")
+
+    def _fail_step(self, members: list[Job], err: EngineError) -> None:
+        for job in members:
+            job.in_flight = False
+            self._fail(job, err)
+
     async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job]) -> None:
         try:
             result = await fut
-        except (StageDown, StepFailed) as err:
-            for job in members:
-                job.in_flight = False
-                self._fail(job, EngineError.stage_down(str(err)))
-            return
-        except Exception as err:  # noqa: BLE001 - a broken step must end its requests, never hang them
-            log.exception("step %s failed", header["step"])
-            for job in members:
-                job.in_flight = False
-                self._fail(job, EngineError.internal(f"step failed: {err}"))
+        except Exception as err:  # noqa: BLE001 - a broken step ends its requests, never hangs them
+            self._fail_step(members, self._step_error(err, header["step"]))
             return
         finally:
             self.in_flight -= 1
@@ -475,30 +481,43 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
-        n_stages = len(self.cfg.stages)
         while True:
             self._wake.clear()
-            while self.waiting and all(self.link.stages_up) and self._admit(self.waiting[0]):
-                self.waiting.popleft()
-            while self.in_flight < n_stages and all(self.link.stages_up):
-                built = self._build_step()
-                ops = self.map.drain_ops()
-                if ops:
-                    self.link.send_ops(ops)
-                if built is None:
+            try:
+                self._turn()
+            except Exception:  # noqa: BLE001 - the loop outlives any one request's failure
+                log.exception("scheduler turn failed")
+            await self._wake.wait()
+
+    def _turn(self) -> None:
+        """Admit what fits, then fill the pipeline with steps (ops always on the wire before their step)."""
+        n_stages = len(self.cfg.stages)
+        while self.waiting and all(self.link.stages_up):
+            job = self.waiting[0]
+            try:
+                if not self._admit(job):
                     break
-                header, tokens, members = built
-                try:
-                    fut = self.link.submit(header, tokens)  # on the wire before any later op
-                except StageDown as err:
-                    for job in members:
-                        self._fail(job, EngineError.stage_down(str(err)))
-                    continue
-                for job in members:
-                    job.in_flight = True
-                self.in_flight += 1
-                asyncio.create_task(self._run_step(header, fut, members))
+            except Exception as err:  # noqa: BLE001 - one bad request must not block the queue
+                log.exception("admission of %s failed", job.req.request_id)
+                self._fail(job, EngineError.internal(f"admission failed: {err}"))
+            self.waiting.popleft()
+        while self.in_flight < n_stages and all(self.link.stages_up):
+            built = self._build_step()
             ops = self.map.drain_ops()
             if ops:
                 self.link.send_ops(ops)
-            await self._wake.wait()
+            if built is None:
+                break
+            header, tokens, members = built
+            try:
+                fut = self.link.submit(header, tokens)  # on the wire before any later op
+            except Exception as err:  # noqa: BLE001 - e.g. a stage just went down, a header the wire refuses
+                self._fail_step(members, self._step_error(err, header["step"]))
+                continue
+            for job in members:
+                job.in_flight = True
+            self.in_flight += 1
+            asyncio.create_task(self._run_step(header, fut, members))
+        ops = self.map.drain_ops()
+        if ops:
+            self.link.send_ops(ops)

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
+from coordinator.link import StepFailed
 from coordinator.scheduler import Scheduler
 from pool.chunk_map import TableMirror
 from pool.config import config_from_dict
@@ -265,4 +266,41 @@ async def test_context_length_is_refused_before_anything_runs():
         await run(sched, req(list(range(10, 250)), 100))
     assert err.value.code == "context_length_exceeded" and "340" in err.value.message
     assert link.steps == 0
+    await sched.stop()
+
+
+class FlakyLink(CellLink):
+    """Refuses to send one step (as the wire would refuse a header it cannot pack), or fails it on a stage."""
+
+    def __init__(self, cfg, fail_with: Exception) -> None:
+        super().__init__(cfg)
+        self.fail_with = fail_with
+
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        if self.fail_with is not None:
+            err, self.fail_with = self.fail_with, None
+            if isinstance(err, ValueError):
+                raise err
+            self._compute(header, tokens)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(err)
+            return fut
+        return super().submit(header, tokens)
+
+
+@pytest.mark.parametrize("failure, status, code", [
+    (ValueError("integer out of range for the wire"), 500, "internal_error"),
+    (StepFailed(1, 1, "boom"), 500, "step_failed"),
+])
+async def test_a_failed_step_ends_its_requests_and_the_loop_goes_on(failure, status, code):
+    cfg = make_cfg(True)
+    link = FlakyLink(cfg, failure)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    with pytest.raises(EngineError) as err:
+        await run(sched, req(prompts()[0]))
+    assert (err.value.status, err.value.code) == (status, code)
+    out, fin = await run(sched, req(prompts()[1]))
+    assert out == (await solo(cfg, prompts()[1]))[0]
+    assert_pool_accounted(sched)
     await sched.stop()
