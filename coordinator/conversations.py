@@ -57,3 +57,15 @@ def best_match(prompt: list[int], conversations: list[Conversation]) -> Match | 
         if best is None or n > best.reuse or (n == best.reuse and conv.last_used > best.conversation.last_used):
             best = Match(conv, n)
     return best
+
+
+def worth_taking(match: Match, prompt_len: int) -> bool:
+    """Whether a new prompt takes over the held conversation it matches (reusing that table in place).
+
+    Yes when the prompt continues the whole conversation (nothing is lost), or when the shared part is at least
+    half of the prompt (an answer asked again, a late branch). A smaller match would cut another conversation
+    short to save a few tokens (every chat prompt shares the template's first tokens, often a system prompt), so
+    it is ignored: the request starts cold in an idle slot, and the conversation stays whole (parked if its slot
+    is needed).
+    """
+    return match.reuse >= len(match.conversation.tokens) or 2 * match.reuse >= prompt_len

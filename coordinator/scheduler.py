@@ -32,27 +32,13 @@ from typing import AsyncIterator
 from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
 from pool.logs import event
-from pool.policy import Candidate, eviction_plan
 
-from .conversations import Conversation, Match, best_match
+from .cache import ConversationCache
+from .conversations import best_match, worth_taking
 from .engine import EngineError, Finished, GenRequest, TokenEvent
 from .link import StageDown, StageLink, StepFailed
 
 log = logging.getLogger("strata.scheduler")
-
-RANK_CACHED = 1  # a held or parked conversation someone may come back to
-
-
-def worth_taking(match: Match, prompt_len: int) -> bool:
-    """Whether a new prompt takes over the held conversation it matches (reusing that table in place).
-
-    Yes when the prompt continues the whole conversation (nothing is lost), or when the shared part is at least
-    half of the prompt (an answer asked again, a late branch). A smaller match would cut another conversation
-    short to save a few tokens (every chat prompt shares the template's first tokens, often a system prompt), so
-    it is ignored: the request starts cold in an idle slot, and the conversation stays whole (parked if its slot
-    is needed).
-    """
-    return match.reuse >= len(match.conversation.tokens) or 2 * match.reuse >= prompt_len
 
 
 @dataclass
@@ -87,13 +73,14 @@ class Scheduler:
         self.max_context = e.max_context
         self.parallel = e.parallel
         map_cls = ChunkMap if e.pool_on else StaticMap
-        self.map = map_cls(e.n_chunks, e.chunk_cells, e.table_chunks, e.parallel)
+        self.cache = ConversationCache(map_cls(e.n_chunks, e.chunk_cells, e.table_chunks, e.parallel), e.parallel)
+        self.map = self.cache.map
+        self.held = self.cache.held
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
-        self.held: dict[int, Conversation] = {}  # table -> conversation (idle slots and parked tables)
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
         self.step_ids = itertools.count(1)
-        self.counters = {"evictions": 0, "refusals": {}, "truncations": 0, "moves": 0, "lost": 0}
+        self.counters = {"refusals": {}, "truncations": 0, "lost": 0}
         self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -174,7 +161,7 @@ class Scheduler:
                 "slots": slots,
                 "parked": parked,
             },
-            "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
+            "counters": {**self.counters, **self.cache.counters, "refusals": dict(self.counters["refusals"])},
         }
 
     def health(self) -> dict:
@@ -202,14 +189,9 @@ class Scheduler:
 
     def flush_cache(self) -> int:
         """Give back every idle held conversation's cells (slots and parked tables); returns cells freed."""
-        before = self.map.free_cells
-        for table in list(self.held):
-            self.held.pop(table)
-            self.map.release(table)
-            if table >= self.parallel:
-                self.map.drop_table(table)
+        freed = self.cache.flush()
         self._wake.set()
-        return self.map.free_cells - before
+        return freed
 
     def erase_slot(self, slot: int) -> int:
         """Drop the conversation held by an idle slot (llama.cpp `POST /slots/{id}?action=erase`)."""
@@ -218,8 +200,8 @@ class Scheduler:
         if self.jobs[slot] is not None or slot in self.pinned:
             what = "processing a request" if self.jobs[slot] is not None else "being saved or restored"
             raise EngineError(409, "slot_busy", f"slot {slot} is {what}", type="invalid_request_error")
-        conv = self.held.pop(slot, None)
-        self.map.release(slot)
+        conv = self.held.get(slot)
+        self.cache.release(slot)
         self._wake.set()
         return len(conv.tokens) if conv else 0
 
@@ -236,44 +218,6 @@ class Scheduler:
         if not free:
             return None
         return min(free, key=lambda s: self.held[s].last_used)
-
-    def _park(self, slot: int) -> None:
-        """Move a slot's held conversation out of the slot, keeping it (a table swap with the pool)."""
-        conv = self.held.pop(slot)
-        table = self.map.new_table()
-        if table is None:  # StaticMap: the one park region is taken; the older conversation gives way
-            for t in [t for t in self.held if t >= self.parallel]:
-                self._evict(t)
-            table = self.map.new_table()
-        if table is None:
-            self.map.release(slot)
-            return
-        self.map.swap(slot, table)
-        conv.table = table
-        self.held[table] = conv
-        self.counters["moves"] += 1
-
-    def _evict(self, table: int) -> None:
-        self.held.pop(table, None)
-        self.map.release(table)
-        if table >= self.parallel:
-            self.map.drop_table(table)
-        self.counters["evictions"] += 1
-
-    def _reserve(self, table: int, cells: int) -> bool:
-        """Back `cells` cells of `table`, evicting idle conversations if that is what it takes."""
-        if self.map.reserve(table, cells):
-            return True
-        cands = [
-            Candidate(t, RANK_CACHED, c.last_used, self.map.held_cells(t)) for t, c in self.held.items() if t != table
-        ]
-        plan = eviction_plan(self.map.free_cells, self.map.held_cells(table), cells, cands)
-        if not plan:
-            return False
-        for t in plan:
-            self._evict(t)
-            event(log, "pool.evict", table=t, cells_free=self.map.free_cells)
-        return self.map.reserve(table, cells)
 
     def _admit(self, job: Job) -> bool:
         """Place a waiting job in a slot. False when no slot is idle (it keeps waiting).
@@ -294,28 +238,17 @@ class Scheduler:
                 return False
         reuse = 0
         if match is not None:
-            conv, reuse = match.conversation, match.reuse
-            if conv.table != slot:  # admission of a parked conversation: a move
-                parked = conv.table
-                self.map.swap(slot, parked)
-                self.counters["moves"] += 1
-                del self.held[parked]
-                if slot in self.held:
-                    other = self.held.pop(slot)
-                    other.table = parked
-                    self.held[parked] = other
-                else:
-                    self.map.drop_table(parked)
-                conv.table = slot
-                self.held[slot] = conv
+            reuse = match.reuse
+            self.cache.bring(match.conversation, slot)
         elif slot in self.held:
-            self._park(slot)
+            self.cache.park(slot)
         self.held.pop(slot, None)
         self.map.shrink(slot, reuse)
-        if not self._reserve(slot, len(prompt)):
-            self.map.shrink(slot, reuse)
+        if not self.cache.reserve(slot, len(prompt)):
             if reuse:
-                self.held[slot] = Conversation(slot, list(prompt[:reuse]))
+                self.cache.hold(slot, list(prompt[:reuse]))
+            else:
+                self.cache.release(slot)
             self._refused("kv_pool_full")
             event(log, "request.refused", request=job.req.request_id, code="kv_pool_full", cells=len(prompt))
             job.done = True
@@ -348,7 +281,7 @@ class Scheduler:
                 budget -= n
             else:
                 n = 1
-                if not self._reserve(job.slot, start + 1):
+                if not self.cache.reserve(job.slot, start + 1):
                     self._finish(job, "length", truncated=True)
                     continue
             sample = int(start + n == len(job.tokens))
@@ -429,8 +362,7 @@ class Scheduler:
             return
         self.jobs[slot] = None
         if keep and job.fed > 0:
-            self.map.shrink(slot, job.fed)
-            self.held[slot] = Conversation(slot, job.tokens[: job.fed])
+            self.cache.hold(slot, job.tokens[: job.fed])
         else:
             self.map.release(slot)
         self._wake.set()
@@ -464,10 +396,7 @@ class Scheduler:
         gens = hello.get("generations")
         lost = [t for t in self.held if not self.map.intact(t, gens)]
         for table in lost:
-            self.held.pop(table)
-            self.map.release(table)
-            if table >= self.parallel:
-                self.map.drop_table(table)
+            self.cache.release(table)
         self.counters["lost"] += len(lost)
         event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
               reattached=hello.get("pool", {}).get("reattached"))

@@ -119,20 +119,6 @@ async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
             "n_written": nbytes + sum(a["nbytes"] for a in answers), "timings": {"save_ms": _ms(t0)}}
 
 
-def _new_table(sched: Scheduler) -> int | None:
-    table = sched.map.new_table()
-    if table is None:  # StaticMap: its one park region holds a conversation, which gives way
-        for t in [t for t in sched.held if t >= sched.parallel]:
-            sched._evict(t)
-        table = sched.map.new_table()
-    return table
-
-
-def _give_back(sched: Scheduler, table: int) -> None:
-    sched.map.release(table)
-    sched.map.drop_table(table)
-
-
 async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     """Restore a saved conversation into idle slot `slot`; its previous conversation is parked."""
     directory, name = _directory(sched), _name(filename)
@@ -151,23 +137,18 @@ async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     table = None
     try:
         await _ask(sched, LOAD, {**req, "check": True})
-        table = _new_table(sched)
-        if table is None or not sched._reserve(table, n):
+        table = sched.cache.park_table()
+        if table is None or not sched.cache.reserve(table, n):
             raise EngineError.kv_pool_full(n, sched.map.free_cells, sched.cfg.coordinator.retry_after_s)
         _send_ops(sched)
         answers = await _ask(sched, LOAD, {**req, "version": sched.map.version, "table": table})
-        old = sched.held.pop(slot, None)
-        sched.map.swap(slot, table)
-        if old is not None:
-            old.table = table
-            sched.held[table] = old
-        else:
-            _give_back(sched, table)
+        conv = Conversation(table, tokens)
+        sched.held[table] = conv
         table = None
-        sched.held[slot] = Conversation(slot, tokens)
+        sched.cache.bring(conv, slot)  # the slot's previous conversation is parked in its place
     finally:
         if table is not None:
-            _give_back(sched, table)
+            sched.cache.release(table)
         sched.pinned.discard(slot)
         sched._wake.set()
     return {"id_slot": slot, "filename": name, "n_restored": n,

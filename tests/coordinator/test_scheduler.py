@@ -183,7 +183,7 @@ async def test_parked_conversation_comes_back_by_move(pool):
     out3, fin3 = await run(sched, req(turn_b))
     assert fin3.cached_tokens == len(b) + len(out_b) - 1
     assert out3 == (await solo(cfg, turn_b))[0]
-    assert sched.counters["moves"] >= 3
+    assert sched.cache.counters["moves"] >= 3
     assert_pool_accounted(sched)
     await sched.stop()
 

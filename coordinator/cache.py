@@ -1,0 +1,114 @@
+"""The conversation cache: the authoritative chunk map and the conversations held in it between requests.
+
+A held conversation is idle: it sits in a slot whose request ended (table = the slot) or in a parked table
+(table >= n_slots). Every change of a table goes through `map`, whose op log the scheduler sends to every stage.
+
+Rules:
+- Parking moves a slot's conversation into a fresh table by swapping the two tables: no K/V byte moves with the
+  pool on. Pool off (StaticMap) there is one park region: a new park gives the older parked conversation way,
+  and the swap is a byte exchange on the stages.
+- Bringing a parked conversation into a slot is the same swap; the slot's previous conversation, if any, takes
+  the parked table's place (it stays held).
+- `reserve` backs cells for a table, evicting idle conversations in `pool.policy.eviction_plan` order (all held
+  conversations rank 1: cached, worth keeping; then least recently used) when that is what it takes, and
+  evicts nobody when even all of them would not cover it.
+"""
+from __future__ import annotations
+
+import logging
+
+from pool.chunk_map import ChunkMap, StaticMap
+from pool.logs import event
+from pool.policy import Candidate, eviction_plan
+
+from .conversations import Conversation
+
+log = logging.getLogger("strata.cache")
+
+RANK_CACHED = 1  # a held or parked conversation someone may come back to
+
+
+class ConversationCache:
+    def __init__(self, map: ChunkMap | StaticMap, n_slots: int) -> None:
+        self.map = map
+        self.n_slots = n_slots
+        self.held: dict[int, Conversation] = {}  # table -> conversation (idle slots and parked tables)
+        self.counters = {"evictions": 0, "moves": 0}
+
+    def parked(self) -> list[int]:
+        return [t for t in self.held if t >= self.n_slots]
+
+    def hold(self, table: int, tokens: list[int]) -> None:
+        """`table` keeps the conversation whose K/V fill its cells [0, len(tokens)); the tail is given back."""
+        self.map.shrink(table, len(tokens))
+        self.held[table] = Conversation(table, tokens)
+
+    def release(self, table: int) -> None:
+        """Drop what `table` holds (a parked table is dropped with it)."""
+        self.held.pop(table, None)
+        self.map.release(table)
+        if table >= self.n_slots:
+            self.map.drop_table(table)
+
+    def evict(self, table: int) -> None:
+        self.release(table)
+        self.counters["evictions"] += 1
+
+    def flush(self) -> int:
+        """Every held conversation gives its cells back; returns the cells freed."""
+        before = self.map.free_cells
+        for table in list(self.held):
+            self.release(table)
+        return self.map.free_cells - before
+
+    def park_table(self) -> int | None:
+        """A fresh table for a parked conversation; StaticMap's one park region is freed for it if taken."""
+        table = self.map.new_table()
+        if table is None:
+            for t in self.parked():
+                self.evict(t)
+            table = self.map.new_table()
+        return table
+
+    def park(self, slot: int) -> None:
+        """Move a slot's held conversation out of the slot, keeping it."""
+        conv = self.held.pop(slot)
+        table = self.park_table()
+        if table is None:
+            self.map.release(slot)
+            return
+        self.map.swap(slot, table)
+        conv.table = table
+        self.held[table] = conv
+        self.counters["moves"] += 1
+
+    def bring(self, conv: Conversation, slot: int) -> None:
+        """Move held `conv` into `slot` (admission by move); the slot's own conversation takes its table."""
+        if conv.table == slot:
+            return
+        parked = conv.table
+        self.map.swap(slot, parked)
+        self.counters["moves"] += 1
+        del self.held[parked]
+        other = self.held.pop(slot, None)
+        if other is not None:
+            other.table = parked
+            self.held[parked] = other
+        else:
+            self.map.drop_table(parked)
+        conv.table = slot
+        self.held[slot] = conv
+
+    def reserve(self, table: int, cells: int) -> bool:
+        """Back `cells` cells of `table`, evicting idle conversations if that is what it takes."""
+        if self.map.reserve(table, cells):
+            return True
+        cands = [Candidate(t, RANK_CACHED, c.last_used, self.map.held_cells(t))
+                 for t, c in self.held.items() if t != table]
+        plan = eviction_plan(self.map.free_cells, self.map.held_cells(table), cells, cands)
+        if not plan:
+            return False
+        for t in plan:
+            self.evict(t)
+            event(log, "pool.evict", table=t, cells_free=self.map.free_cells)
+        return self.map.reserve(table, cells)
