@@ -10,7 +10,9 @@ This is the torch reference; a csrc kernel may replace either function with the 
     write_kv:          token t (slot s, position p) -> its cell; int8 stores round(x / scale), scale =
                        absmax over head_dim / 127 per cell and head, in k_scale[l] / v_scale[l]
     paged_attention:   one scaled_dot_product_attention per group of the step (`StepBatch.groups`):
-                         decode group   q [G, heads, 1, head_dim]   k, v [G, kv_heads, L, head_dim]
+                         decode group   q [G, kv_heads, heads / kv_heads, head_dim]  (the query heads that
+                                        share a kv head as its rows: no K/V repeated per head)
+                                        k, v [G, kv_heads, L, head_dim]
                          prefill entry  q [1, heads, n, head_dim]   k, v [1, kv_heads, start + n, head_dim]
                        query at position p sees cell j iff j <= p (and j > p - window with a sliding window);
                        GQA: query head h reads kv head h // (heads / kv_heads).
@@ -139,17 +141,21 @@ def write_kv(kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torc
             _flat(arr).index_copy_(0, cells, q)
             _flat(scales).index_copy_(0, cells, s)
     else:
-        _flat(kv.k[layer]).index_copy_(0, cells, k.to(kv.dtype))
-        _flat(kv.v[layer]).index_copy_(0, cells, v.to(kv.dtype))
+        if k.dtype != kv.dtype:
+            k, v = k.to(kv.dtype), v.to(kv.dtype)
+        _flat(kv.k[layer]).index_copy_(0, cells, k)
+        _flat(kv.v[layer]).index_copy_(0, cells, v)
 
 
 def _context(kv: KVCache, layer: int, read: _Read, n_entries: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """K and V `[G, L - lo, kv_heads, head_dim]` in `dtype`: a group's visible cells read through its tables."""
     k, v = read.take(kv.k[layer], n_entries), read.take(kv.v[layer], n_entries)
     if kv.quantized:
-        k = dequantize_int8(k, read.take(kv.k_scale[layer], n_entries), dtype)
-        v = dequantize_int8(v, read.take(kv.v_scale[layer], n_entries), dtype)
-    return k.to(dtype), v.to(dtype)
+        return (dequantize_int8(k, read.take(kv.k_scale[layer], n_entries), dtype),
+                dequantize_int8(v, read.take(kv.v_scale[layer], n_entries), dtype))
+    if k.dtype != dtype:
+        k, v = k.to(dtype), v.to(dtype)
+    return k, v
 
 
 def paged_attention(
@@ -175,16 +181,28 @@ def paged_attention(
         k, v = _context(kv, layer, read, n_entries, q.dtype)
         rows = g.rows
         qg = q[rows.start:rows.stop] if isinstance(rows, range) else q.index_select(0, rows)
-        o = F.scaled_dot_product_attention(
-            qg.view(n_entries, g.max_new, heads, head_dim).transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=read.mask,
-            is_causal=read.causal,
-            scale=scale,
-            enable_gqa=heads != kv.kv_heads,
-        )
-        o = o.transpose(1, 2).reshape(g.num_rows, heads * head_dim)
+        if g.kind == "decode":
+            # One query per entry: the heads that share a kv head become that kv head's query rows
+            # (head h = kv head h // group, as GQA reads), so K/V are never repeated per query head.
+            o = F.scaled_dot_product_attention(
+                qg.reshape(n_entries, kv.kv_heads, heads // kv.kv_heads, head_dim),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=read.mask,
+                scale=scale,
+            )
+            o = o.reshape(g.num_rows, heads * head_dim)
+        else:
+            o = F.scaled_dot_product_attention(
+                qg.view(n_entries, g.max_new, heads, head_dim).transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=read.mask,
+                is_causal=read.causal,
+                scale=scale,
+                enable_gqa=heads != kv.kv_heads,
+            )
+            o = o.transpose(1, 2).reshape(g.num_rows, heads * head_dim)
         if isinstance(rows, range) and rows.start == 0 and rows.stop == n_tokens:
             return o  # one group holds the whole step, rows in order
         if out is None:

@@ -96,7 +96,15 @@ def _sliding_windows(config: dict, arch: str, n_layers: int) -> tuple[int | None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale by the weight."""
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale by the weight.
+
+    In float32 throughout, torch's fused `rms_norm` computes the same values in one call instead of six
+    (pinned by a test); other dtypes keep transformers' order of casts.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)  # a weight per head (qk_norm.weight)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -42,7 +42,7 @@ def test_groups_split_decodes_from_prefill_pieces():
 
 
 def test_decodes_in_a_mixed_step_cost_one_query_row_each(monkeypatch):
-    """The decode group is one call with one query row per entry, whatever the prefill piece's length."""
+    """The decode group is one call with one query per entry (per head), whatever the prefill piece's length."""
     kv = KVCache(1, N_CHUNKS, 64, 2, 8, "float32", "cpu", 4, 8)
     for s in range(4):
         kv.set_table(s, list(range(s * 8, s * 8 + 8)))
@@ -50,7 +50,7 @@ def test_decodes_in_a_mixed_step_cost_one_query_row_each(monkeypatch):
     real = attention.F.scaled_dot_product_attention
 
     def spy(q, k, v, **kw):
-        calls.append((tuple(q.shape), tuple(k.shape), kw["attn_mask"] is not None, kw["is_causal"]))
+        calls.append((tuple(q.shape), tuple(k.shape), kw["attn_mask"] is not None, kw.get("is_causal", False)))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
@@ -58,7 +58,8 @@ def test_decodes_in_a_mixed_step_cost_one_query_row_each(monkeypatch):
     q = torch.randn(batch.num_tokens, 4, 8)
     write_kv(kv, 0, batch, torch.randn(batch.num_tokens, 2, 8), torch.randn(batch.num_tokens, 2, 8))
     paged_attention(q, kv, 0, batch, 0.3)
-    assert calls == [((3, 4, 1, 8), (3, 2, 401, 8), False, False), ((1, 4, 256, 8), (1, 2, 256, 8), False, True)]
+    # Decodes: 3 entries x 2 kv heads, each kv head's 2 query heads as its rows; no mask (one shared context).
+    assert calls == [((3, 2, 2, 8), (3, 2, 401, 8), False, False), ((1, 4, 256, 8), (1, 2, 256, 8), False, True)]
 
 
 def _random_case(seed: int, kv_dtype: str, consecutive: bool):

@@ -41,3 +41,19 @@ def test_rotary_table_rows_equal_cos_sin_computed_per_step(tmp_path):
         want_cos, want_sin = m.rope.cos_sin(batch.positions, m.dtype)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert m._rope_cos.shape[0] == 4096  # grown to the power of two past the longest context
+
+
+def test_float32_rms_norm_is_bit_for_bit_transformers_formula():
+    """The fused call stands in for transformers' formula only because it gives the same bits."""
+    from stages.model import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 64), (4, 128), (3, 6, 32), (512, 768), (5, 16, 64)):
+        x = torch.randn(*shape, generator=g) * 3
+        w = 1 + 0.2 * torch.randn(shape[-1], generator=g)
+        want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert torch.equal(rms_norm(x, w, 1e-6), want)
+        strided = torch.cat([x, x], -1)[..., :shape[-1]]  # the same values as a strided view (a column slice)
+        assert torch.equal(rms_norm(strided, w, 1e-6), want)
+        per_row = w * (1 + torch.arange(shape[-2])[:, None])  # a weight per head, as qk_norm.weight
+        assert torch.equal(rms_norm(x, per_row, 1e-6), per_row * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
