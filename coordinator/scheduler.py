@@ -33,6 +33,7 @@ from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
 from pool.logs import event
 
+from . import views
 from .cache import ConversationCache
 from .conversations import best_match, worth_taking
 from .engine import EngineError, Finished, GenRequest, TokenEvent
@@ -138,54 +139,13 @@ class Scheduler:
                 self._cancel(job)
 
     def live_metrics(self) -> dict:
-        running = sum(1 for j in self.jobs if j is not None)
-        slots = []
-        for s in range(self.parallel):
-            job, conv = self.jobs[s], self.held.get(s)
-            state = "busy" if job else ("held" if conv else "free")
-            tokens = job.fed if job else (len(conv.tokens) if conv else 0)
-            slots.append({"slot": s, "state": state, "cells": self.map.held_cells(s), "tokens": tokens})
-        parked = [
-            {"table": t, "cells": self.map.held_cells(t), "tokens": len(c.tokens)}
-            for t, c in self.held.items()
-            if t >= self.parallel
-        ]
-        return {
-            "running": running,
-            "waiting": len(self.waiting),
-            "kv_pool": {
-                "enabled": self.cfg.engine.pool_on,
-                "cells": self.map.total_cells,
-                "free": self.map.free_cells,
-                "chunk_cells": self.cfg.engine.chunk_cells,
-                "slots": slots,
-                "parked": parked,
-            },
-            "counters": {**self.counters, **self.cache.counters, "refusals": dict(self.counters["refusals"])},
-        }
+        return views.live_metrics(self)
 
     def health(self) -> dict:
-        up = list(self.link.stages_up)
-        return {
-            "status": "ok" if all(up) else "degraded",
-            "stages": [{"index": i, "up": u, "layers": list(s.layers)} for i, (u, s) in enumerate(zip(up, self.cfg.stages))],
-        }
+        return views.health(self)
 
     def slots(self) -> list[dict]:
-        out = []
-        for s in range(self.parallel):
-            job, conv = self.jobs[s], self.held.get(s)
-            out.append(
-                {
-                    "id": s,
-                    "is_processing": job is not None,
-                    "n_ctx": self.max_context,
-                    "n_past": job.fed if job else (len(conv.tokens) if conv else 0),
-                    "cells": self.map.held_cells(s),
-                    "id_task": job.req.request_id if job else None,
-                }
-            )
-        return out
+        return views.slots(self)
 
     def flush_cache(self) -> int:
         """Give back every idle held conversation's cells (slots and parked tables); returns cells freed."""

@@ -1,0 +1,60 @@
+"""Read-only views of the scheduler for the HTTP front: /metrics JSON, /health, /slots."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def live_metrics(sched: Scheduler) -> dict:
+    """The `/metrics?format=json` live view (Engine.live_metrics)."""
+    running = sum(1 for j in sched.jobs if j is not None)
+    slots = []
+    for s in range(sched.parallel):
+        job, conv = sched.jobs[s], sched.held.get(s)
+        state = "busy" if job else ("held" if conv else "free")
+        tokens = job.fed if job else (len(conv.tokens) if conv else 0)
+        slots.append({"slot": s, "state": state, "cells": sched.map.held_cells(s), "tokens": tokens})
+    parked = [
+        {"table": t, "cells": sched.map.held_cells(t), "tokens": len(c.tokens)}
+        for t, c in sched.held.items()
+        if t >= sched.parallel
+    ]
+    return {
+        "running": running,
+        "waiting": len(sched.waiting),
+        "kv_pool": {
+            "enabled": sched.cfg.engine.pool_on,
+            "cells": sched.map.total_cells,
+            "free": sched.map.free_cells,
+            "chunk_cells": sched.cfg.engine.chunk_cells,
+            "slots": slots,
+            "parked": parked,
+        },
+        "counters": {**sched.counters, **sched.cache.counters, "refusals": dict(sched.counters["refusals"])},
+    }
+
+def health(sched: Scheduler) -> dict:
+    up = list(sched.link.stages_up)
+    return {
+        "status": "ok" if all(up) else "degraded",
+        "stages": [{"index": i, "up": u, "layers": list(s.layers)} for i, (u, s) in enumerate(zip(up, sched.cfg.stages))],
+    }
+
+def slots(sched: Scheduler) -> list[dict]:
+    """llama.cpp's `/slots`: one entry per slot."""
+    out = []
+    for s in range(sched.parallel):
+        job, conv = sched.jobs[s], sched.held.get(s)
+        out.append(
+            {
+                "id": s,
+                "is_processing": job is not None,
+                "n_ctx": sched.max_context,
+                "n_past": job.fed if job else (len(conv.tokens) if conv else 0),
+                "cells": sched.map.held_cells(s),
+                "id_task": job.req.request_id if job else None,
+            }
+        )
+    return out
