@@ -12,6 +12,9 @@ Decisions pinned by tests/pool/test_config.py:
 - Every address a stage binds (its `endpoint`, and the `data` endpoint of every stage after the first,
   the only ones that receive hidden states) must be distinct, and a tcp one must not be the coordinator's
   HTTP port on the same host.
+
+Reading the YAML and applying `--set` overrides: pool/config_load.py; the endpoint checks: pool/endpoints.py
+(their public names are importable from here too).
 """
 from __future__ import annotations
 
@@ -23,21 +26,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# Unix socket paths (ipc://) are limited by sockaddr_un.sun_path: 108 bytes including the final NUL.
-MAX_IPC_PATH = 107
-_WILDCARD_HOSTS = {"0.0.0.0", "*", "::", "[::]", ""}
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+from pool.config_load import ConfigError, apply_overrides, read_yaml
+from pool.endpoints import MAX_IPC_PATH, check_endpoint, same_host, tcp_host_port
 
-
-class ConfigError(ValueError):
-    """A config that cannot be served; the message names the key (also in `.key` when there is one)."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
+__all__ = [
+    "MAX_IPC_PATH", "Config", "ConfigError", "CoordinatorConfig", "EngineConfig", "StageConfig", "apply_overrides",
+    "config_from_dict", "default_config_path", "load_config", "read_yaml",
+]
 
 
 class _Strict(BaseModel):
@@ -119,32 +116,6 @@ class EngineConfig(_Strict):
         return self
 
 
-def _check_endpoint(v: str) -> str:
-    """`ipc:///path` (path at most MAX_IPC_PATH bytes) or `tcp://host:port` (port 1..65535)."""
-    if v.startswith("ipc://"):
-        path = v[len("ipc://"):]
-        if not path:
-            raise ValueError(f"{v!r}: ipc:// needs a socket path, e.g. ipc:///tmp/strata-stage-0")
-        if len(path.encode()) > MAX_IPC_PATH:
-            raise ValueError(f"{v!r}: ipc path is {len(path.encode())} bytes, unix sockets allow {MAX_IPC_PATH}")
-        return v
-    if v.startswith("tcp://"):
-        host, sep, port = v[len("tcp://"):].rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"{v!r}: expected tcp://host:port")
-        if not 1 <= int(port) <= 65535:
-            raise ValueError(f"{v!r}: port {int(port)} is out of range 1..65535")
-        return v
-    raise ValueError(f"{v!r}: use ipc:///path (same host) or tcp://host:port (any host)")
-
-
-def _tcp_host_port(endpoint: str) -> tuple[str, int] | None:
-    if not endpoint.startswith("tcp://"):
-        return None
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    return host, int(port)
-
-
 class StageConfig(_Strict):
     device: str = "cpu"
     layers: tuple[int, int]
@@ -172,7 +143,7 @@ class StageConfig(_Strict):
     @field_validator("endpoint", "data_endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        return None if v is None else _check_endpoint(v)
+        return None if v is None else check_endpoint(v)
 
     @property
     def data(self) -> str:
@@ -231,15 +202,15 @@ class Config(_Strict):
                 keys.append((data_key, s.data))
             for key, addr in keys:
                 try:
-                    _check_endpoint(addr)  # a derived data endpoint can overflow the port or the ipc path
+                    check_endpoint(addr)  # a derived data endpoint can overflow the port or the ipc path
                 except ValueError as err:
                     raise ValueError(f"{key}: {err}; set stages.{i}.data_endpoint") from None
-                hp = _tcp_host_port(addr)
+                hp = tcp_host_port(addr)
                 if addr in bound:
                     raise ValueError(f"{key}: {addr} is already bound by {bound[addr]}")
                 bound[addr] = key
                 c = self.coordinator
-                if hp is not None and hp[1] == c.port and _same_host(hp[0], c.host):
+                if hp is not None and hp[1] == c.port and same_host(hp[0], c.host):
                     raise ValueError(f"{key}: {addr} is the coordinator's HTTP port (coordinator.port={c.port})")
 
     @property
@@ -288,71 +259,7 @@ def _span(first: int, end: int) -> str:
     return f"layer {first} is" if end - first == 1 else f"layers {first}..{end - 1} are"
 
 
-def _same_host(a: str, b: str) -> bool:
-    if a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
-        return True
-    return a in _LOOPBACK_HOSTS and b in _LOOPBACK_HOSTS
-
-
 _SECTIONS: dict[str, type[BaseModel]] = {"coordinator": CoordinatorConfig, "engine": EngineConfig, "stages": StageConfig}
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last one silently)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
-            )
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError:
-        return text  # not YAML (e.g. an unbalanced bracket): keep the text, validation names the key
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """`a.b=value` sets data["a"]["b"]; `stages.1.device=cuda:1` indexes a list; the value is read as YAML.
-
-    Numbers, `null`, `true` and flow lists (`stages.0.layers=[0,24]`) come out typed; everything else is a
-    string. Missing sections are created; a list index must exist. `data` is changed in place and returned.
-    """
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. engine.kv_pool_tokens=8192")
-        parts = key.split(".")
-        if any(not p for p in parts):
-            raise ConfigError(f"--set {key}: empty part in the key", key=key)
-        node: Any = data
-        for depth, part in enumerate(parts):
-            where = ".".join(parts[:depth]) or "the top level"
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(f"--set {key}: {where} has {len(node)} entries, no index {part!r}", key=key)
-                index: int | str = int(part)
-            elif isinstance(node, dict):
-                index = part
-            else:
-                raise ConfigError(f"--set {key}: {where} is a value ({node!r}), not a section", key=key)
-            if depth == len(parts) - 1:
-                node[index] = _parse_value(value)
-            else:
-                node = node.setdefault(index, {}) if isinstance(node, dict) else node[index]
-    return data
 
 
 _KEY_AT_START = re.compile(r"([a-z_]+(?:\.[a-z0-9_]+)*)")
@@ -401,28 +308,6 @@ def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
     except ValidationError as err:
         message, key = _format_errors(err)
         raise ConfigError(f"config: {message}", key=key) from None
-
-
-def read_yaml(path: str | Path) -> dict:
-    """The YAML mapping in `path`; ConfigError for a missing file, bad YAML, duplicate keys or a non-mapping."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping (model:, coordinator:, engine:, stages:)")
-    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
