@@ -37,7 +37,6 @@ Rules:
 from __future__ import annotations
 
 import ctypes
-import glob
 import mmap
 import os
 import re
@@ -46,6 +45,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from pool.pin import PinError, host_register, host_unregister
+
+__all__ = [
+    "ALIGN", "ARRAYS", "FORMAT_VERSION", "KV_DTYPES", "MAGIC", "SCALE_DTYPE", "PinError", "PoolLayout", "PoolMemory",
+    "PoolMismatch", "default_path",
+]
 
 ALIGN = 64
 MAGIC = b"STRATAKV"
@@ -58,7 +64,6 @@ _FIXED = struct.Struct("<8sII6Q16s")  # magic, version, header_nbytes, 6 sizes, 
 _GEN_OFFSET = 128
 _SESSION = slice(80, 96)
 _LAYOUT_FIELDS = ("n_layers", "n_chunks", "chunk_cells", "kv_heads", "head_dim")
-_PIN_PIECE = 64 << 30  # cudaHostRegister is called on pieces of at most this many bytes
 
 
 def _round_up(n: int, to: int) -> int:
@@ -67,10 +72,6 @@ def _round_up(n: int, to: int) -> int:
 
 class PoolMismatch(ValueError):
     """An existing pool file does not match the layout the stage expects; the message names the field."""
-
-
-class PinError(RuntimeError):
-    """CUDA is present but refused to register the mapping (e.g. the memlock limit)."""
 
 
 @dataclass(frozen=True)
@@ -291,30 +292,14 @@ class PoolMemory:
         pinned (again True if already pinned). `device`, if given, is made current first so the
         registration does not create a context on device 0. The mapping is registered in pieces of at
         most 64 GiB (one registration of a larger range fails on some drivers). Raises PinError if CUDA
-        is present but refuses; pieces already registered are unregistered first.
+        is present but refuses; pieces already registered are unregistered first. The rules: pool/pin.py.
         """
         if self._pinned:
             return True
-        cudart = _load_cudart()
-        if cudart is None:
+        registered = host_register(self._address, self.layout.nbytes, device, str(self.path))
+        if registered is None:
             return False
-        count = ctypes.c_int(0)
-        if cudart.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value == 0:
-            return False
-        if device is not None:
-            _cuda_check(cudart, cudart.cudaSetDevice(int(device)), f"cudaSetDevice({device})")
-        base = self._address()
-        portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
-        done: list[tuple[int, int]] = []
-        for start in range(0, self.layout.nbytes, _PIN_PIECE):
-            size = min(_PIN_PIECE, self.layout.nbytes - start)
-            err = cudart.cudaHostRegister(ctypes.c_void_p(base + start), ctypes.c_size_t(size), portable)
-            if err != 0:
-                for ptr, _ in done:
-                    cudart.cudaHostUnregister(ctypes.c_void_p(ptr))
-                _cuda_check(cudart, err, f"cudaHostRegister({size} bytes at +{start}) of {self.path}")
-            done.append((base + start, size))
-        self._pinned, self._cudart = done, cudart
+        self._cudart, self._pinned = registered
         return True
 
     def unpin(self) -> bool:
@@ -322,8 +307,7 @@ class PoolMemory:
         if not self._pinned:
             return False
         assert self._cudart is not None
-        for ptr, _ in self._pinned:
-            self._cudart.cudaHostUnregister(ctypes.c_void_p(ptr))
+        host_unregister(self._cudart, self._pinned)
         self._pinned = []
         return True
 
@@ -384,39 +368,3 @@ def _check_header(path: Path, layout: PoolLayout, fixed: tuple, size: int) -> No
         )
     if size != layout.nbytes:
         raise PoolMismatch(f"pool file {path}: file size is {size} bytes, expected {layout.nbytes}")
-
-
-_CUDART: list[ctypes.CDLL | None] = []  # memo: [] untried, [None] absent, [lib] loaded
-
-
-def _cudart_candidates() -> list[str]:
-    names = ["libcudart.so", "libcudart.so.12", "libcudart.so.13"]
-    for entry in sys.path:  # the copy inside torch's nvidia-cuda-runtime wheel, without importing torch
-        for sub in ("nvidia/cuda_runtime/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
-            names += sorted(glob.glob(os.path.join(entry, sub, "libcudart.so*")))
-    return names
-
-
-def _load_cudart() -> ctypes.CDLL | None:
-    """libcudart through ctypes, or None when no CUDA runtime can be loaded."""
-    if _CUDART:
-        return _CUDART[0]
-    lib = None
-    for name in _cudart_candidates():
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    if lib is not None:
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-    _CUDART.append(lib)
-    return lib
-
-
-def _cuda_check(cudart: ctypes.CDLL, err: int, what: str) -> None:
-    if err != 0:
-        message = cudart.cudaGetErrorString(err).decode(errors="replace")
-        raise PinError(f"{what} failed: CUDA error {err} ({message})")
