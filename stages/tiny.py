@@ -14,15 +14,14 @@ Rules:
   usual 0.02 so that logits are far from flat (greedy decoding then has few near-ties, which makes
   comparisons between implementations meaningful). RMSNorm weights are 1 + N(0, NORM_JITTER^2), so a
   norm applied wrongly changes the output.
-- Tokenizer: byte-level BPE trained to TOKENIZER_VOCAB - 3 tokens, then the three special tokens
-  `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` appended (the last ids, as in Qwen). No normalizer, so
-  decode(encode(text)) == text for any text. Nothing is added around an encoded text (no BOS).
+- Tokenizer: stages/tiny_tokenizer.py (byte-level BPE trained on `CORPUS`, special tokens, ChatML template).
 - `vocab` larger than the tokenizer pads the embedding (as real checkpoints do); smaller is refused.
 - `tie_embeddings=None` follows the arch's small public checkpoints: tied for qwen2/qwen3 (no
   `lm_head.weight` in the files), untied for llama/mistral.
 
 `ensure_tiny("tiny")` builds the embedded default (DEFAULT_SPEC) once into `tiny_cache_dir()` and reuses
-it; the cache key covers the spec and this file's source, so a changed format never serves a stale build.
+it; the cache key covers the spec and the source of every file that shapes the checkpoint (this one and
+stages/tiny_tokenizer.py, which holds the corpus), so a changed format never serves a stale build.
 """
 from __future__ import annotations
 
@@ -36,14 +35,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stages import tiny_tokenizer
+from stages.tiny_tokenizer import (
+    BOS_TOKEN, CHAT_TEMPLATE, CORPUS, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, TOKENIZER_VOCAB, build_tokenizer,
+    special_ids, tokenizer_config,
+)
+
+__all__ = [
+    "ARCHS", "BOS_TOKEN", "CHAT_TEMPLATE", "CORPUS", "DEFAULT_SPEC", "DTYPES", "EOS_TOKEN", "NORM_JITTER", "PAD_TOKEN",
+    "SPECIAL_TOKENS", "TOKENIZER_VOCAB", "WEIGHT_STD", "build_tokenizer", "ensure_tiny", "main", "make_tiny_model",
+    "make_weights", "resolve_spec", "special_ids", "tensor_shapes", "tiny_cache_dir", "tiny_config",
+]
+
 # torch and safetensors are imported where weights are made, so that `--describe` and a cache hit in
 # ensure_tiny stay cheap.
 
 WEIGHT_STD = 0.1
 NORM_JITTER = 0.1
-TOKENIZER_VOCAB = 512
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
 
 # qkv_bias: q/k/v projections carry a bias (Qwen2). qk_norm: per-head RMSNorm on q and k (Qwen3).
 ARCHS: dict[str, dict[str, Any]] = {
@@ -58,98 +66,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_SPEC: dict[str, Any] = {
     "arch": "qwen3", "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "seed": 0, "dtype": "float32",
 }
-
-# ChatML, as Qwen writes it: a system message is just the first message with role "system".
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
-    "{{- raise_exception('Unknown role: ' + message['role']) }}\n"
-    "{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] | default('', true)) + "
-    "'<|im_end|>' + '\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
-
-# The tokenizer's training text: part of the format (see the module docstring).
-CORPUS: tuple[str, ...] = (
-    """The river ran low that summer, and the children of the village walked along its stony bed
-looking for things the water had kept. They found a green bottle, a key with no door, and a wheel
-from a cart that nobody remembered. Each evening they brought their finds to the old mill and laid
-them out on the long table, and the miller, who said very little, wrote every one of them into a
-book with a brown cover.""",
-    """A server that answers many people at once must decide, many times a second, whose words to
-read next. It keeps a small number of lanes open; when a lane becomes free, the next request in the
-queue takes it. Memory is the scarce thing: every token a conversation has seen leaves a trace that
-must be kept until the conversation ends, and the traces of long conversations are large.""",
-    """Good tests are small and honest. They build the smallest world in which a rule can break,
-break it on purpose, and check that the program notices. A test that cannot fail tells you nothing;
-a test that fails for the wrong reason tells you something false. Write the expected numbers down,
-exactly, and let the machine compare them.""",
-    """def chunks_needed(cells: int, chunk_cells: int) -> int:
-    \"\"\"Return how many chunks hold `cells` cells.\"\"\"
-    return (cells + chunk_cells - 1) // chunk_cells
-
-
-class FreeList:
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n))
-
-    def take(self) -> int | None:
-        return self.free.pop(0) if self.free else None
-
-for i in range(10):
-    print(f"step {i}: {chunks_needed(i * 100, 64)} chunks")
-""",
-    """#include <stdio.h>
-static int sum(const int *xs, size_t n) {
-    int total = 0;
-    for (size_t i = 0; i < n; ++i) total += xs[i];
-    return total;
-}
-int main(void) { int v[4] = {1, 2, 3, 4}; printf("%d\\n", sum(v, 4)); return 0; }
-""",
-    """{"model": "tiny", "messages": [{"role": "system", "content": "You are helpful."},
-{"role": "user", "content": "What is the capital of France?"}], "stream": true}
-SELECT name, count(*) FROM requests WHERE status = 'done' GROUP BY name LIMIT 10;
-$ git commit -m "Fix the off-by-one in shrink" && git push origin main""",
-    """Café au lait, crème brûlée, naïve façade, über, Straße, mañana, smörgåsbord, jalapeño.
-Tokyo is 東京 and Kyoto is 京都; 日本語の文章も少し入れておく。 Москва и Санкт-Петербург.
-Ελληνικά γράμματα: α β γ δ. Emoji: 🙂 🚀 ✨ — and a few symbols: € £ ¥ © ° ± × ÷ → ≤ ≥.""",
-    """Questions and answers. Q: How many legs does a spider have? A: Eight. Q: What colour is the
-sky on a clear day? A: Blue. Q: Which number comes after forty-one? A: Forty-two. Q: Who wrote the
-letter? A: Nobody knows; it was signed only with a drawing of a small boat.""",
-)
-
-
-def build_tokenizer() -> "tokenizers.Tokenizer":  # noqa: F821 (imported lazily)
-    """Train the tiny byte-level BPE tokenizer on CORPUS; same result every time."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    if tok.get_vocab_size() != TOKENIZER_VOCAB:
-        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, expected {TOKENIZER_VOCAB}")
-    return tok
-
-
-def special_ids() -> dict[str, int]:
-    """Ids of the special tokens: appended after the trained vocabulary, in SPECIAL_TOKENS order."""
-    first = TOKENIZER_VOCAB - len(SPECIAL_TOKENS)
-    return {t: first + i for i, t in enumerate(SPECIAL_TOKENS)}
-
 
 def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                 intermediate: int | None = None, vocab: int | None = None, dtype: str = "float32",
@@ -282,28 +198,6 @@ def _write_weights(out: Path, weights: dict[str, "torch.Tensor"], shards: int) -
     _write_json(out / "model.safetensors.index.json", index)
 
 
-def _tokenizer_config(max_position: int) -> dict[str, Any]:
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for t, i in special_ids().items()}
-    return {
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)],
-        "bos_token": BOS_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
-        "errors": "replace",
-        "model_max_length": max_position,
-        "pad_token": PAD_TOKEN,
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-
-
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -326,7 +220,7 @@ def make_tiny_model(dir: str | os.PathLike, arch: str = "qwen3", layers: int = 4
         "bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[EOS_TOKEN], ids["<|endoftext|>"]],
         "pad_token_id": ids[PAD_TOKEN]})
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(max_position))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(max_position))
     return out
 
 
@@ -377,7 +271,9 @@ def resolve_spec(name_or_spec: str | dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+# Every file whose text shapes a checkpoint's bytes; a change to any of them gives new cache keys.
+_SOURCES = (Path(__file__), Path(tiny_tokenizer.__file__))
+_SOURCE_DIGEST = hashlib.sha256(b"".join(hashlib.sha256(p.read_bytes()).digest() for p in _SOURCES)).hexdigest()
 
 
 def ensure_tiny(name_or_spec: str | dict[str, Any] = "tiny", cache_dir: str | os.PathLike | None = None) -> Path:
