@@ -18,10 +18,11 @@ This is the torch reference; a csrc kernel may replace either function with the 
                        GQA: query head h reads kv head h // (heads / kv_heads).
 
 Reading a group's context: the cells [lo, L) it can see (lo > 0 only under a sliding window) lie in logical
-chunks [lo // C, ceil(L / C)) of each entry's table; those whole chunks are gathered with one index_select
-per array (a block copy per chunk, no per-cell index), or taken as a view without any copy when the group
-has one entry whose chunks are consecutive in the pool (the usual case for a lone conversation on a fresh
-pool: lowest free chunk first). Cells past an entry's own context are masked; a mask is built only when
+chunks [lo // C, ceil(L / C)) of each entry's table. They are taken as a view without any copy when the
+group has one entry whose chunks are consecutive in the pool (the usual case for a lone conversation on a
+fresh pool: lowest free chunk first); otherwise exactly those cells are gathered, one index_select per array
+into a scratch buffer of the KV cache that every layer reuses (a fresh allocation per layer costs as much
+as the copy on a CPU). Cells past an entry's own context are masked; a mask is built only when
 some query would otherwise see a cell it must not (a decode group whose entries share one context needs
 none, a prefill piece starting at 0 is plain causal).
 
@@ -79,9 +80,11 @@ class _Read:
         rows = [kv.host_tables[s][j0:j1] for s in g.slots]
         self.first = rows[0][0] if len(rows) == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + len(rows[0]))) \
             else None
-        self.chunks = None
+        self.cells = None  # flat cell numbers [G * (L - lo)] when the cells are gathered
         if self.first is None:
-            self.chunks = torch.tensor([x for r in rows for x in r], dtype=torch.int64).to(kv.device, non_blocking=True)
+            chunks = torch.tensor(rows, dtype=torch.int64).to(kv.device, non_blocking=True)  # [G, span]
+            cells = chunks[:, :, None] * c + torch.arange(c, device=kv.device)
+            self.cells = cells.view(len(rows), -1)[:, self.offset:self.offset + self.length].reshape(-1)
         self.causal = False
         self.mask = None
         if g.kind == "decode":
@@ -92,14 +95,15 @@ class _Read:
         else:
             self.mask = _mask(kv.device, g, lo, self.length, window)
 
-    def take(self, arr: torch.Tensor, n_entries: int) -> torch.Tensor:
-        """`[G, L - lo, ...]` of `arr` (one layer's K, V or scales): a view or one gather of whole chunks."""
+    def take(self, kv: KVCache, which: str, arr: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """`[G, L - lo, ...]` of `arr` (one layer's K, V or scales): a view, or the cells gathered into the
+        cache's scratch buffer for `which` (valid until the next gather of the same array kind)."""
         if self.first is not None:
-            block = arr.narrow(0, self.first, self.span)
-        else:
-            block = arr.index_select(0, self.chunks)
-        block = block.view(n_entries, self.span * arr.shape[1], *arr.shape[2:])
-        return block.narrow(1, self.offset, self.length)
+            block = arr.narrow(0, self.first, self.span).view(1, self.span * arr.shape[1], *arr.shape[2:])
+            return block.narrow(1, self.offset, self.length)
+        out = kv.scratch(which, (self.cells.numel(), *arr.shape[2:]), arr.dtype)
+        torch.index_select(_flat(arr), 0, self.cells, out=out)
+        return out.view(n_entries, self.length, *arr.shape[2:])
 
 
 def _mask(device: torch.device, g: AttentionGroup, lo: int, length: int, window: int | None) -> torch.Tensor:
@@ -149,10 +153,10 @@ def write_kv(kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torc
 
 def _context(kv: KVCache, layer: int, read: _Read, n_entries: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """K and V `[G, L - lo, kv_heads, head_dim]` in `dtype`: a group's visible cells read through its tables."""
-    k, v = read.take(kv.k[layer], n_entries), read.take(kv.v[layer], n_entries)
+    k, v = read.take(kv, "k", kv.k[layer], n_entries), read.take(kv, "v", kv.v[layer], n_entries)
     if kv.quantized:
-        return (dequantize_int8(k, read.take(kv.k_scale[layer], n_entries), dtype),
-                dequantize_int8(v, read.take(kv.v_scale[layer], n_entries), dtype))
+        return (dequantize_int8(k, read.take(kv, "k_scale", kv.k_scale[layer], n_entries), dtype),
+                dequantize_int8(v, read.take(kv, "v_scale", kv.v_scale[layer], n_entries), dtype))
     if k.dtype != dtype:
         k, v = k.to(dtype), v.to(dtype)
     return k, v

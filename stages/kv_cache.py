@@ -78,6 +78,7 @@ class KVCache:
         # The same rows on the host, kept by `set_table` / `clear_tables`: attention plans its reads (which
         # chunks, whether they are consecutive) from these without reading device memory.
         self.host_tables: list[list[int]] = [[n_chunks] * table_chunks for _ in range(n_slots)]
+        self._scratch: dict[str, torch.Tensor] = {}
 
     @property
     def trash(self) -> int:
@@ -109,6 +110,17 @@ class KVCache:
         """Point every entry of every slot at the trash chunk (in place)."""
         self.tables.fill_(self.n_chunks)
         self.host_tables = [[self.n_chunks] * self.table_chunks for _ in range(self.n_slots)]
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `shape` on the device, the same memory on every call with this `name` (grown when
+        too small): for values that live only until the next call, e.g. one layer's gathered context."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._scratch.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
 
     def copy_cells(self, src_entries: Sequence[int], dst_entries: Sequence[int], cells: int) -> None:
         """Copy cells [0, cells) of the table `src_entries` into the table `dst_entries`, in every array.
