@@ -132,3 +132,12 @@ def test_view_and_gather_give_the_same_bits():
         q = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(7))
         outs.append(paged_attention(q, kv, 0, batch, 0.35))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_scratch_buffers_are_reused_per_name_and_grow():
+    kv = KVCache(1, 4, C, 2, 8, "float32", "cpu", 1, 2)
+    a = kv.scratch("k", (3, 2, 8), torch.float32)
+    assert a.shape == (3, 2, 8) and kv.scratch("k", (2, 2, 8), torch.float32).data_ptr() == a.data_ptr()
+    assert kv.scratch("v", (3, 2, 8), torch.float32).data_ptr() != a.data_ptr()
+    big = kv.scratch("k", (10, 2, 8), torch.float32)
+    assert big.shape == (10, 2, 8) and kv.scratch("k", (10, 2, 8), torch.float32).data_ptr() == big.data_ptr()
