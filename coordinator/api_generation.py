@@ -181,8 +181,9 @@ class Front:
         return list(encodings[0].ids)
 
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
-                    logprobs: int = 0) -> GenRequest:
+                    logprobs: int = 0, ignore_eos: bool = False) -> GenRequest:
         """A GenRequest that fits `max_context`; `max_tokens` defaults to what the prompt leaves free.
+        The tokenizer's eos ids end it, unless `ignore_eos` (then only max_tokens, or a stop string, does).
 
         Refused here (400 `context_length_exceeded`, message naming both numbers): a prompt that fills the
         context, or a prompt plus `max_tokens` beyond it.
@@ -207,8 +208,8 @@ class Front:
             if not 0 <= t < self.tokenizer.vocab_size:
                 raise ApiError.bad_request(f"token id {t} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
                                            param="prompt")
-        return GenRequest(request_id, list(prompt), max_tokens, sampling, frozenset(self.tokenizer.eos_ids),
-                          logprobs)
+        stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids)
+        return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -104,7 +104,8 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         front.check_model(req.model)
         ids = await front.chat_ids([m.as_template_message() for m in req.messages], req.tools)
         rid, created, model = new_id("chatcmpl-"), int(time.time()), front.engine.model_name
-        gen = front.gen_request(rid, ids, req.completion_limit, req.sampling(), logprobs=req.num_top_logprobs)
+        gen = front.gen_request(rid, ids, req.completion_limit, req.sampling(), logprobs=req.num_top_logprobs,
+                                ignore_eos=req.ignore_eos)
         run = Generation(front, request, gen, req.stop, arrival, want_logprobs=req.logprobs)
         await run.start()
 
@@ -141,7 +142,8 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         ids = await front.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         rid, created, model = new_id("cmpl-"), int(time.time()), front.engine.model_name
         want_lp = req.logprobs is not None
-        gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), logprobs=req.logprobs or 0)
+        gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), logprobs=req.logprobs or 0,
+                                ignore_eos=req.ignore_eos)
         run = Generation(front, request, gen, req.stop, arrival, want_logprobs=want_lp)
         await run.start()
 

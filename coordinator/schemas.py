@@ -12,6 +12,8 @@ Rules:
   `MAX_REPETITION_PENALTY`. An unbounded value would otherwise fail a step, or the scheduler, far from the request.
   A temperature below `GREEDY_BELOW` is sent as 0 (greedy), as vLLM does: the stages sample in float32, where
   a temperature of 1e-38 or less is 0 or subnormal and the division yields no usable distribution.
+- `ignore_eos` (the vLLM / llama.cpp extension, OpenAI routes only): the model's end-of-sequence ids do not end
+  the request (its GenRequest has no stop ids); stop strings and max_tokens still do. A bool, like `stream`.
 - `/openapi.json` describes every body with these models (`json_body`, `openapi_schemas`), so a schema-driven
   fuzzer generates meaningful requests; the routes still read the body themselves (`Front.parse`).
 """
@@ -120,6 +122,7 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod

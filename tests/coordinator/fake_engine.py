@@ -1,7 +1,8 @@
 """A deterministic Engine for the HTTP front's tests, and a real uvicorn server to put the front on.
 
 `FakeEngine(tokenizer)` answers every request with the same script: the tokens of `SCRIPT_TEXT`, then an
-end-of-turn token (which, like the real engine, ends the request with reason "stop" and is not yielded).
+end-of-turn token (which, like the real engine, ends the request with reason "stop" and is not yielded). A
+request without stop ids (`ignore_eos`) gets the end-of-turn token too, and then ends with reason "length".
 Knobs, set by a test and put back by `reset()`:
   refuse        an EngineError raised before the first event (a refusal)
   fail_after    raise `fail_with` after this many tokens (an error mid-stream)
@@ -91,6 +92,7 @@ class FakeEngine:
                 yield TokenEvent(token, -0.25, self._top(token, req.logprobs))
                 sent += 1
                 await asyncio.sleep(0.001)
+            yield Finished("length", False, len(req.prompt), self.cached_tokens, sent)  # ignore_eos: script spent
         finally:
             self.running -= 1
             with self._cond:

@@ -142,6 +142,60 @@ def test_stop_string_split_across_tokens_is_cut_and_frees_the_request(env, clien
     assert env.engine.wait_closed(rid, 2)
 
 
+# ---- ignore_eos --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_ignore_eos_runs_past_the_eos_to_max_tokens(env, monkeypatch, route, stream):
+    """The script says its text, an eos, then its text again: with ignore_eos the request carries no stop ids,
+    the eos is generated and passed over (its text is a special token's: none), and max_tokens ends it."""
+    script = list(env.engine.script)
+    monkeypatch.setattr(env.engine, "script", script + [env.engine.eos] + script)
+    limit = 2 * len(script) + 1
+    path, body = (("/v1/chat/completions", {"messages": MSGS}) if route == "chat"
+                  else ("/v1/completions", {"prompt": "Hi"}))
+    body = {"model": "tiny-test", "max_tokens": limit, "stream": stream, **body}
+
+    def run(**extra) -> tuple[str, str, int]:
+        r = post(env, path, {**body, **extra, "stream_options": {"include_usage": True}} if stream else
+                 {**body, **extra})
+        assert r.status_code == 200
+        if not stream:
+            choice = r.json()["choices"][0]
+            text = choice["message"]["content"] if route == "chat" else choice["text"]
+            return text, choice["finish_reason"], r.json()["usage"]["completion_tokens"]
+        events = [json.loads(d) for _, d in parse_sse(r.text) if d != "[DONE]"]
+        text = "".join((c["delta"].get("content") or "") if route == "chat" else c["text"]
+                       for e in events for c in e["choices"])
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        return text, finish[-1], events[-1]["usage"]["completion_tokens"]
+
+    assert run() == (SCRIPT_TEXT, "stop", len(script))
+    assert env.engine.requests[-1].stop_token_ids == frozenset(env.tokenizer.eos_ids) != frozenset()
+    assert run(ignore_eos=False)[1] == "stop"
+    assert run(ignore_eos=True) == (SCRIPT_TEXT + SCRIPT_TEXT, "length", limit)
+    assert env.engine.requests[-1].stop_token_ids == frozenset()
+    assert env.engine.requests[-1].max_tokens == limit
+
+
+def test_ignore_eos_keeps_stop_strings(env, client):
+    resp = client.chat.completions.create(model="tiny-test", messages=MSGS, stop=" pool h",
+                                          extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == SCRIPT_TEXT[: SCRIPT_TEXT.index(" pool h")]
+    assert resp.choices[0].finish_reason == "stop"
+    assert env.engine.requests[-1].stop_token_ids == frozenset()
+
+
+@pytest.mark.parametrize("value", ["true", 1, None, [True]])
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": MSGS}),
+                                        ("/v1/completions", {"prompt": "Hi"})])
+def test_ignore_eos_must_be_a_bool(env, path, body, value):
+    r = post(env, path, {"model": "tiny-test", "ignore_eos": value, **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "ignore_eos" and "valid boolean" in err["message"]
+    assert env.engine.requests == []
+
+
 # ---- completions -------------------------------------------------------------------------------------
 def test_completions_string_and_token_prompt(env, client):
     resp = client.completions.create(model="tiny-test", prompt="The pool", max_tokens=7)
