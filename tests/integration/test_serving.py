@@ -9,8 +9,10 @@ conversation and asserts that all cells are free again and no slot is busy.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -173,6 +175,34 @@ def test_stop_strings_cut_the_text_in_every_family(server, model_dir):
         final = s.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     assert final.usage.output_tokens == whole.usage.completion_tokens
+
+
+# ---- ignore_eos --------------------------------------------------------------------------------------
+EARLY_EOS = [418, 442, 469, 411, 246, 346]  # greedy: 4 tokens, then an eos id (logit margins >= 0.025 on the way)
+
+
+def test_ignore_eos_runs_past_the_eos_to_max_tokens(server, model_dir):
+    """A prompt whose greedy continuation ends on an eos after a few tokens: with ignore_eos the same tokens
+    come first, then the eos (a token like any other), then what transformers continues with after it."""
+    first, ended = oracle_greedy(model_dir, EARLY_EOS, 16)
+    assert ended and 0 < len(first) < 8, "the prompt no longer ends early on this checkpoint"
+    client = server.openai()
+    kw = dict(model=server.model, prompt=EARLY_EOS, max_tokens=16, temperature=0, logprobs=1)
+    normal = client.completions.create(**kw)
+    assert (normal.choices[0].finish_reason, normal.usage.completion_tokens) == ("stop", len(first))
+    assert normal.choices[0].logprobs.tokens == [oracle_decode(model_dir, [t]) for t in first]
+    server.erase_all()
+
+    run = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    choice, tokens = run.choices[0], run.choices[0].logprobs.tokens
+    assert (choice.finish_reason, truncated(choice), run.usage.completion_tokens) == ("length", False, 16)
+    assert len(tokens) == 16 and tokens[:len(first)] == normal.choices[0].logprobs.tokens
+    assert choice.text.startswith(normal.choices[0].text)
+    eos_ids = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
+    eos = [e for e in eos_ids if oracle_decode(model_dir, [e]) == tokens[len(first)]]
+    assert eos, f"token {len(first)} is {tokens[len(first)]!r}, not an eos"
+    rest, _ = oracle_greedy(model_dir, EARLY_EOS + first + eos[:1], 16 - len(first) - 1)
+    assert tokens[len(first) + 1:] == [oracle_decode(model_dir, [t]) for t in rest]
 
 
 # ---- batching ---------------------------------------------------------------------------------------
