@@ -10,7 +10,8 @@ Every peer gets the same thread budget (`--threads`: torch.set_num_threads / lla
 n_threads_batch) and the same prompts (`--prompts FILE`, random ids from the tokenizer's ordinary tokens, made
 by coordinator.bench.peers), so no peer's tokenizer or template changes the prompt length.
 
-Figures, for a batch of b prompts of P tokens generating M tokens each (greedy, EOS suppressed):
+Figures, for a batch of b prompts of P tokens generating exactly M tokens each (greedy; an EOS is sampled like
+any other token and does not end the run, as Strata does with `ignore_eos`):
     prefill tok/s = b * P / t(generate 1 token)
     decode tok/s  = b * (M - 1) / (t(generate M tokens) - t(generate 1 token))
 each time the best of `--repeats` runs.
@@ -69,7 +70,6 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
     rows, greedy = [], []
     prompts = load_prompts(args.prompts)
     for b in args.batches:
@@ -79,8 +79,9 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
 
         def gen(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> torch.Tensor:
             with torch.inference_mode():
-                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0, eos_token_id=eos)
+                # eos_token_id None: no EOS stops the run and none is masked (min_new_tokens would mask it)
+                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)
 
         t_first = timeit(lambda: gen(1), args.repeats)
         t_all = timeit(lambda: gen(args.output_tokens), args.repeats)

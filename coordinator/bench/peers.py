@@ -14,9 +14,11 @@ generating M tokens each:
     prefill tok/s = b * P / t1            t1: wall time for b requests sent together with max_tokens 1 to finish
     decode tok/s  = (sum n_i - b) / (tM - t1)   tM: the same with max_tokens M (n_i generated, from usage)
 each wall time the best of the repeats; exactly how transformers' and llama.cpp's figures are taken, so the
-ratios compare like with like. Every timed Strata batch sends prompts it has never seen: Strata keeps
-finished conversations and would otherwise serve a repeated prompt from its cache (no prefill at all). (Streamed content chunks are no clock here: a random model's tokens are often
-incomplete UTF-8 that the detokenizer holds back, so one chunk may carry several tokens.)
+ratios compare like with like. Every peer generates exactly M tokens: Strata's requests send `ignore_eos`, and
+the in-process peers do not stop at EOS either (an EOS is sampled like any token, the run goes on), so n_i = M.
+Every timed Strata batch sends prompts it has never seen: Strata keeps finished conversations and would otherwise
+serve a repeated prompt from its cache (no prefill at all). (Streamed content chunks are no clock here: a random
+model's tokens are often incomplete UTF-8 that the detokenizer holds back, so one chunk may carry several tokens.)
 The coordinator process also needs some CPU; it is not counted in the thread budget (it runs no model).
 """
 from __future__ import annotations
@@ -113,7 +115,8 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
                          repeats: int) -> tuple[list[dict[str, Any]], str]:
     """Prefill and decode rates the way the in-process peers are timed (module docstring), from the time each
     batch of requests takes to finish; returns the rows and the text of the first greedy completion."""
-    cfg = ServeConfig(url=url, model=None, api="completions", output_tokens=output_tokens, timeout_s=600.0)
+    cfg = ServeConfig(url=url, model=None, api="completions", output_tokens=output_tokens, ignore_eos=True,
+                      timeout_s=600.0)
 
     fresh = iter(range(1, 1 << 30))
 
@@ -212,7 +215,7 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if hf_greedy and texts:
         from coordinator.tokenizer import Tokenizer
 
-        expected = Tokenizer.from_dir(Path(model_dir)).decode(hf_greedy)
+        expected = Tokenizer.from_dir(Path(model_dir)).decode(hf_greedy, skip_special=True)  # as Strata streams
         same = all(t == expected for t in texts)
         notes.append(f"greedy check: Strata's first {args.output_tokens} greedy tokens "
                      f"{'equal' if same else 'DIFFER from'} transformers' for the same prompt (compared as text)")
@@ -253,6 +256,10 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
                                                    args.repeats))
     notes.append(f"{peer}: {n_stages} CPU stage(s), engine.threads {cfg['engine']['threads']} each, "
                  f"layers {[s['layers'] for s in cfg['stages']]}")
+    short = [r for r in found if r["output_tokens"] != r["concurrency"] * args.output_tokens]
+    if short:
+        notes.append(f"{peer}: batches generated fewer than b x {args.output_tokens} tokens despite ignore_eos: "
+                     + ", ".join(f"{r['output_tokens']} at concurrency {r['concurrency']}" for r in short))
     out = [{"peer": peer, **r} for r in found]
     out[0]["greedy_text"] = text
     return out
