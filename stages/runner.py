@@ -39,8 +39,7 @@ from pool.wire import PROTOCOL
 
 from .batch import StepBatch
 from .checkpoint import load_checkpoint
-from .kv_cache import kv_dtype_name
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_dtype_name
 from .model import StageModel, resolve_dtype
 from .snapshot import arrays_of, check_part, load_part, save_part
 from .tensors import pool_array
@@ -283,7 +282,7 @@ class StageRunner:
         out = self.model.forward(batch, self.kv, x)
         if self.sampler is None:
             return out
-        rows = [slot for slot, _, _, sample in slots if sample]
+        rows = batch.sample_slots
         if not rows:  # a step of prompt pieces only: nothing to sample yet
             return []
         sampled = self.sampler.sample(out, rows)
