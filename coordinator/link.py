@@ -289,22 +289,31 @@ class StageLink:
                     self._send_hello(p)
             await asyncio.sleep(period)
 
+    def _fail_pending(self, err: Exception) -> None:
+        """Every step and ask still waiting fails with `err`."""
+        for fut in [*self._inflight.values(), *(f for f, _ in self._asks.values())]:
+            if not fut.done():
+                fut.set_exception(err)
+
     def _mark_down(self, p: _Peer, reason: str) -> None:
         """Fail everything in flight, tell the scheduler, and start asking the stage to come back."""
         if p.state == "down" or self._closed:
             return
         event(log, "stage.down", logging.ERROR, stage=p.index, reason=reason)
         p.state, p.reason, p.pong = "down", reason, {}
-        err = StageDown(p.index, reason)
-        for fut in [*self._inflight.values(), *(f for f, _ in self._asks.values())]:
-            if not fut.done():
-                fut.set_exception(err)
+        self._fail_pending(StageDown(p.index, reason))
         if self.on_stage_down is not None:
             self.on_stage_down(p.index, reason)
         self._close_socket(p)
         self._open(p)
 
     # ---- sending -------------------------------------------------------------------------------------
+    def _require_up(self) -> None:
+        """StageDown for the first stage that is not up: steps and asks go to every stage or to none."""
+        for p in self._peers:
+            if p.state != "up":
+                raise StageDown(p.index, p.reason or p.state)
+
     def send_ops(self, ops: list, stage: int | None = None, snapshot: bool = False) -> None:
         """Send table ops (in order) to every stage, or to one; `snapshot` replaces the stage's tables."""
         if not ops and not snapshot:
@@ -321,9 +330,7 @@ class StageLink:
 
         Sending is synchronous on purpose: the scheduler sends the ops of the next step right after, and a step
         must be on the wire before any op that follows it."""
-        for p in self._peers:
-            if p.state != "up":
-                raise StageDown(p.index, p.reason or p.state)
+        self._require_up()
         header = dict(header)
         sid = header.setdefault("step", self._last_step + 1)
         if not isinstance(sid, int) or sid <= self._last_step:
@@ -341,9 +348,7 @@ class StageLink:
     def ask(self, kind: str, headers: list[dict]) -> asyncio.Future:
         """Send `headers[i]` (with a fresh "req" id) to stage i now, in order with everything sent before; the
         future gets the stages' DONE headers in stage order, or fails with StageDown."""
-        for p in self._peers:
-            if p.state != "up":
-                raise StageDown(p.index, p.reason or p.state)
+        self._require_up()
         self._last_ask += 1
         req = self._last_ask
         fut = asyncio.get_running_loop().create_future()
@@ -365,9 +370,7 @@ class StageLink:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         bye = encode(BYE, {"session": self.session})
-        for fut in [*self._inflight.values(), *(f for f, _ in self._asks.values())]:
-            if not fut.done():
-                fut.set_exception(StageDown(0, "the link is closed"))
+        self._fail_pending(StageDown(0, "the link is closed"))
         for p in self._peers:
             said_bye = p.sock is not None and p.state != "down"
             if said_bye:
