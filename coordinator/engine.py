@@ -131,8 +131,6 @@ class EngineError(Exception):
             param="messages",
         )
 
-    context_length_exceeded = context_length
-
     @classmethod
     def stage_down(cls, message: str = "a stage is down", retry_after: int | None = None) -> "EngineError":
         """A stage process is gone; requests fail until it is back (see /health)."""
