@@ -25,9 +25,6 @@ class Conversation:
     tokens: list[int] = field(default_factory=list)
     last_used: int = field(default_factory=tick)
 
-    def touch(self) -> None:
-        self.last_used = tick()
-
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
