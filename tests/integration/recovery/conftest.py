@@ -7,7 +7,7 @@
   with their default pool files in /dev/shm); `.pids()` are the supervisor's first report, `.stage_pid(i)` the
   stage's latest handshake as the coordinator logged it.
 - `Front`: `.url`, `.http` (httpx), `.openai()` (the official client), `.live()` (the engine's live metrics),
-  `.wait_healthy()`.
+  `.chat(messages)` (one greedy 8-token turn), `.wait_healthy()`.
 Every process is SIGKILLed (its whole process group) when the test ends, and /dev/shm pool files of
 `strata up` boxes are removed.
 """
@@ -72,6 +72,18 @@ class Front:
 
     def live(self) -> dict:
         return self.http.get("/metrics", params={"format": "json"}).json()["live"]
+
+    def chat(self, messages: list[dict], logprobs: bool = False) -> dict:
+        """One greedy 8-token chat through the official client: its text, cached prompt tokens and sampled
+        tokens, and with `logprobs` their logprobs too (left out otherwise, so two turns compare with `==`)."""
+        r = self.openai().chat.completions.create(model=self.model, messages=messages, max_tokens=8, temperature=0,
+                                                  logprobs=True)
+        choice = r.choices[0]
+        out = {"text": choice.message.content, "cached": r.usage.prompt_tokens_details.cached_tokens,
+               "tokens": [t.token for t in choice.logprobs.content]}
+        if logprobs:
+            out["logprobs"] = [t.logprob for t in choice.logprobs.content]
+        return out
 
     def kill(self) -> None:
         """SIGKILL the process group (no goodbye to the stages)."""

@@ -13,14 +13,6 @@ A = [{"role": "user", "content": "Tell me about the shared pool of chunks."}]
 HOLD = [{"role": "user", "content": "Write a long answer, this one is in flight."}]
 
 
-def chat(front, messages: list[dict]) -> dict:
-    r = front.openai().chat.completions.create(model=front.model, messages=messages, max_tokens=8, temperature=0,
-                                               logprobs=True)
-    choice = r.choices[0]
-    return {"text": choice.message.content, "cached": r.usage.prompt_tokens_details.cached_tokens,
-            "tokens": [t.token for t in choice.logprobs.content]}
-
-
 def sessions(log: str) -> list[tuple[str, str, str]]:
     """(session, previous, nonzero generations) of every new session a stage saw."""
     return re.findall(r"event=stage\.session stage=\d session=(\S+) previous=(\S+) generations=(\d+)", log)
@@ -30,7 +22,7 @@ def test_a_new_coordinator_serves_the_stages_a_killed_one_left(box, coordinator)
     b = box(2, max_context=128, kv_pool_tokens=1024)
     b.start_all()
     first = coordinator(b)
-    a1 = chat(first, A)
+    a1 = first.chat(A)
     assert a1["cached"] == 0
 
     ended = {}
@@ -54,8 +46,8 @@ def test_a_new_coordinator_serves_the_stages_a_killed_one_left(box, coordinator)
     second = coordinator(b)
     pool = second.live()["kv_pool"]
     assert pool["free"] == pool["cells"] and all(s["state"] == "free" for s in pool["slots"]), pool
-    assert chat(second, A) == a1  # cold again: the old session's tables are gone, its bytes unused
-    a2 = chat(second, [*A, {"role": "assistant", "content": a1["text"]}, {"role": "user", "content": "Go on."}])
+    assert second.chat(A) == a1  # cold again: the old session's tables are gone, its bytes unused
+    a2 = second.chat([*A, {"role": "assistant", "content": a1["text"]}, {"role": "user", "content": "Go on."}])
     assert a2["cached"] > 0
 
     for i in (0, 1):

@@ -23,14 +23,6 @@ SCRIBBLE = [{"role": "user", "content": "Something else entirely, long enough to
 C = 16  # chunk_cells of the box
 
 
-def chat(front, messages: list[dict]) -> dict:
-    r = front.openai().chat.completions.create(model=front.model, messages=messages, max_tokens=8, temperature=0,
-                                               logprobs=True)
-    choice = r.choices[0]
-    return {"text": choice.message.content, "cached": r.usage.prompt_tokens_details.cached_tokens,
-            "tokens": [t.token for t in choice.logprobs.content], "logprobs": [t.logprob for t in choice.logprobs.content]}
-
-
 def turn2(first: dict) -> list[dict]:
     return [*TURN1, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And then?"}]
 
@@ -85,7 +77,7 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
     b.start_all()
     front = coordinator(b)
 
-    first = chat(front, TURN1)
+    first = front.chat(TURN1)
     r = slot_action(front, 0, "save", "conv1")
     assert r.status_code == 200, r.text
     saved = r.json()
@@ -93,11 +85,11 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
     assert saved["id_slot"] == 0 and saved["filename"] == "conv1" and math.ceil(n / C) == 3, saved
     files = [saves / "conv1", saves / "conv1.stage0", saves / "conv1.stage1"]
     assert saved["n_written"] == sum(f.stat().st_size for f in files) and saved["timings"]["save_ms"] > 0
-    never_saved = chat(front, turn2(first))  # the held conversation, as if nothing had happened
+    never_saved = front.chat(turn2(first), logprobs=True)  # the held conversation, as if nothing had happened
     assert never_saved["cached"] >= n - 8 > 0, never_saved
 
     assert front.http.post("/slots", params={"action": "erase"}).status_code == 200
-    chat(front, SCRIBBLE)  # the freed chunks now hold other cells: a restore must write every byte back
+    front.chat(SCRIBBLE)  # the freed chunks now hold other cells: a restore must write every byte back
     assert front.http.post("/slots", params={"action": "erase"}).status_code == 200
     pool = front.live()["kv_pool"]
     assert pool["free"] == pool["cells"] == 9 * C
@@ -108,7 +100,7 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
         (0, "conv1", n, saved["n_written"]), restored
     free, slots, _ = pool_state(front)
     assert free == 6 * C and slots[0] == ("held", 3 * C, n), slots
-    same_run(chat(front, turn2(first)), never_saved)
+    same_run(front.chat(turn2(first), logprobs=True), never_saved)
 
     # Refusals: each is a 400 saying why, and nothing changes.
     before = pool_state(front)
@@ -153,7 +145,7 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
             r = slot_action(front, slot, "restore", name)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(why), (name, r.text)
             assert pool_state(front) == before, name
-    again = chat(front, turn2(first))  # slot 0's conversation is still whole: all but the last token cached
+    again = front.chat(turn2(first))  # slot 0's conversation is still whole: all but the last token cached
     assert again["cached"] > never_saved["cached"], again
 
 
@@ -162,17 +154,17 @@ def test_busy_slots_and_a_full_pool_refuse_a_restore_and_change_nothing(box, coo
     enable_saves(b)
     b.start_all()
     front = coordinator(b)
-    first = chat(front, TURN1)
+    first = front.chat(TURN1)
     r = slot_action(front, 0, "save", "conv1")
     assert r.status_code == 200, r.text
     n = r.json()["n_saved"]
-    reference = chat(front, turn2(first))
+    reference = front.chat(turn2(first), logprobs=True)
 
     # A slot running a request: 409 for every slot action. Stage 1 is frozen so the request stays running.
     stage1 = b.procs[1].pid
     os.kill(stage1, signal.SIGSTOP)
     try:
-        busy = threading.Thread(target=lambda: chat(front, [{"role": "user", "content": "Hold the slot."}]))
+        busy = threading.Thread(target=lambda: front.chat([{"role": "user", "content": "Hold the slot."}]))
         busy.start()
         deadline = time.monotonic() + 1.0
         while not any(s["is_processing"] for s in front.http.get("/slots").json()):
@@ -219,7 +211,7 @@ def test_busy_slots_and_a_full_pool_refuse_a_restore_and_change_nothing(box, coo
     assert slots[full][0] == "held" and sum(s[0] == "held" for s in slots) == 3
     front.http.post("/slots", params={"action": "erase"})  # only slot `full`'s conversation may match now
     assert slot_action(front, full, "restore", "conv1").status_code == 200
-    same_run(chat(front, turn2(first)), reference)
+    same_run(front.chat(turn2(first), logprobs=True), reference)
 
 
 def test_without_the_pool_a_restore_lands_in_the_park_region_and_moves_in_by_copy(box, coordinator):
@@ -229,14 +221,14 @@ def test_without_the_pool_a_restore_lands_in_the_park_region_and_moves_in_by_cop
     enable_saves(b)
     b.start_all()
     front = coordinator(b)
-    first = chat(front, TURN1)
+    first = front.chat(TURN1)
     r = slot_action(front, 0, "save", "conv1")
     assert r.status_code == 200, r.text
-    never_saved = chat(front, turn2(first))
+    never_saved = front.chat(turn2(first), logprobs=True)
     front.http.post("/slots", params={"action": "erase"})
-    chat(front, SCRIBBLE)  # slot 0's region now holds other cells, and a conversation to park
+    front.chat(SCRIBBLE)  # slot 0's region now holds other cells, and a conversation to park
     r = slot_action(front, 0, "restore", "conv1")
     assert r.status_code == 200, r.text
     pool = front.live()["kv_pool"]
     assert pool["slots"][0]["tokens"] == r.json()["n_restored"] and len(pool["parked"]) == 1, pool
-    same_run(chat(front, turn2(first)), never_saved)
+    same_run(front.chat(turn2(first), logprobs=True), never_saved)

@@ -17,14 +17,6 @@ B = [{"role": "user", "content": "Why would a stage restart keep its cells?"}]
 HOLD = [{"role": "user", "content": "Write a long answer, this one is in flight."}]
 
 
-def chat(front, messages: list[dict]) -> dict:
-    r = front.openai().chat.completions.create(model=front.model, messages=messages, max_tokens=8, temperature=0,
-                                               logprobs=True)
-    choice = r.choices[0]
-    return {"text": choice.message.content, "cached": r.usage.prompt_tokens_details.cached_tokens,
-            "tokens": [t.token for t in choice.logprobs.content]}
-
-
 def turn2(messages: list[dict], first: dict) -> list[dict]:
     return [*messages, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Go on."}]
 
@@ -86,13 +78,13 @@ def test_held_conversations_survive_a_killed_stage_and_continue_identically(box,
     front = strata_up_box(b)
 
     # The run that never crashes: two turns of two conversations, then everything erased.
-    a1, b1 = chat(front, A), chat(front, B)
-    want_a, want_b = chat(front, turn2(A, a1)), chat(front, turn2(B, b1))
+    a1, b1 = front.chat(A), front.chat(B)
+    want_a, want_b = front.chat(turn2(A, a1)), front.chat(turn2(B, b1))
     assert want_a["cached"] > 0 and want_b["cached"] > 0
     front.http.post("/slots", params={"action": "erase"})
 
     # The same first turns again (cold, so the same cells), held in slots 0 and 1; then stage 1 dies mid-decode.
-    assert chat(front, A) == a1 and chat(front, B) == b1
+    assert front.chat(A) == a1 and front.chat(B) == b1
     before = held(front)
     assert [s for s, _ in before[:2]] == ["held", "held"], before
     _, stages = front.pids()
@@ -110,7 +102,7 @@ def test_held_conversations_survive_a_killed_stage_and_continue_identically(box,
     assert held(front)[:2] == before[:2] and held(front)[2] == ("free", 0)  # the failed request let go
     assert front.live()["counters"]["lost"] == 0
 
-    got_a, got_b = chat(front, turn2(A, a1)), chat(front, turn2(B, b1))
+    got_a, got_b = front.chat(turn2(A, a1)), front.chat(turn2(B, b1))
     assert got_a == want_a and got_b == want_b  # text, tokens and cached prefix
 
     # Again, but the pool file is gone before the restart: a fresh file's generations vouch for nothing.
@@ -123,5 +115,5 @@ def test_held_conversations_survive_a_killed_stage_and_continue_identically(box,
     assert "event=stage.verified stage=1 kept=0 lost=2 reattached=false" in front.log()
     assert front.live()["counters"]["lost"] == 2
     assert all(s == ("free", 0) for s in held(front)), held(front)
-    cold = chat(front, turn2(A, a1))
+    cold = front.chat(turn2(A, a1))
     assert cold["cached"] == 0 and cold["text"] == want_a["text"], (cold, want_a)
