@@ -155,15 +155,19 @@ class Scheduler:
 
     def erase_slot(self, slot: int) -> int:
         """Drop the conversation held by an idle slot (llama.cpp `POST /slots/{id}?action=erase`)."""
+        self.check_idle(slot)
+        conv = self.held.get(slot)
+        self.cache.release(slot)
+        self._wake.set()
+        return len(conv.tokens) if conv else 0
+
+    def check_idle(self, slot: int) -> None:
+        """400 for a slot that does not exist, 409 `slot_busy` for one running a request or pinned."""
         if not 0 <= slot < self.parallel:
             raise EngineError.invalid(f"slot {slot} does not exist (0..{self.parallel - 1})", param="id")
         if self.jobs[slot] is not None or slot in self.pinned:
             what = "processing a request" if self.jobs[slot] is not None else "being saved or restored"
             raise EngineError(409, "slot_busy", f"slot {slot} is {what}", type="invalid_request_error")
-        conv = self.held.get(slot)
-        self.cache.release(slot)
-        self._wake.set()
-        return len(conv.tokens) if conv else 0
 
     # ---- admission -------------------------------------------------------------------------------
     def _refused(self, code: str) -> None:
@@ -392,9 +396,7 @@ class Scheduler:
             self.waiting.popleft()
         while self.in_flight < n_stages and all(self.link.stages_up):
             built = self._build_step()
-            ops = self.map.drain_ops()
-            if ops:
-                self.link.send_ops(ops)
+            self.send_ops()
             if built is None:
                 break
             header, tokens, members = built
@@ -407,6 +409,10 @@ class Scheduler:
                 job.in_flight = True
             self.in_flight += 1
             asyncio.create_task(self._run_step(header, fut, members))
+        self.send_ops()
+
+    def send_ops(self) -> None:
+        """The chunk map's ops since the last drain, to every stage (before any step that needs them)."""
         ops = self.map.drain_ops()
         if ops:
             self.link.send_ops(ops)

@@ -53,14 +53,6 @@ def _name(filename: object) -> str:
         raise EngineError.invalid(str(err), param="filename") from None
 
 
-def _check_idle(sched: Scheduler, slot: int) -> None:
-    if not 0 <= slot < sched.parallel:
-        raise EngineError.invalid(f"slot {slot} does not exist (0..{sched.parallel - 1})", param="id")
-    if sched.jobs[slot] is not None or slot in sched.pinned:
-        what = "processing a request" if sched.jobs[slot] is not None else "being saved or restored"
-        raise EngineError(409, "slot_busy", f"slot {slot} is {what}", type="invalid_request_error")
-
-
 def _fields(sched: Scheduler) -> dict:
     """What every part of a save records and a restore must find: model, config, kv dtype, stages."""
     hello = sched.link.stage_hello(0) or {}
@@ -68,12 +60,6 @@ def _fields(sched: Scheduler) -> dict:
     return {"model_fp": hello.get("model_fp"), "n_stages": len(sched.cfg.stages),
             "config_fp": snapshot_fingerprint(e.dtype, e.kv_dtype, [s.layers for s in sched.cfg.stages]),
             "kv_dtype": hello.get("pool", {}).get("kv_dtype")}
-
-
-def _send_ops(sched: Scheduler) -> None:
-    ops = sched.map.drain_ops()
-    if ops:
-        sched.link.send_ops(ops)
 
 
 async def _ask(sched: Scheduler, kind: str, header: dict) -> list[dict]:
@@ -98,14 +84,14 @@ def _ms(t0: float) -> float:
 async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     """Save the conversation idle slot `slot` holds; llama.cpp's answer shape plus nothing."""
     directory, name = _directory(sched), _name(filename)
-    _check_idle(sched, slot)
+    sched.check_idle(slot)
     conv = sched.held.get(slot)
     if conv is None or not conv.tokens:
         raise EngineError.invalid(f"slot {slot} holds no conversation to save", param="id")
     tokens, save_id, t0 = list(conv.tokens), uuid.uuid4().hex, time.perf_counter()
     sched.pinned.add(slot)
     try:
-        _send_ops(sched)
+        sched.send_ops()
         answers = await _ask(sched, SAVE, {"name": name, "save_id": save_id, "version": sched.map.version,
                                            "table": slot, "cells": len(tokens)})
         try:
@@ -122,7 +108,7 @@ async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
 async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     """Restore a saved conversation into idle slot `slot`; its previous conversation is parked."""
     directory, name = _directory(sched), _name(filename)
-    _check_idle(sched, slot)
+    sched.check_idle(slot)
     t0 = time.perf_counter()
     try:
         header, tokens, nbytes = read_tokens(part_path(directory, name), **_fields(sched))
@@ -140,7 +126,7 @@ async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
         table = sched.cache.park_table()
         if table is None or not sched.cache.reserve(table, n):
             raise EngineError.kv_pool_full(n, sched.map.free_cells, sched.cfg.coordinator.retry_after_s)
-        _send_ops(sched)
+        sched.send_ops()
         answers = await _ask(sched, LOAD, {**req, "version": sched.map.version, "table": table})
         conv = Conversation(table, tokens)
         sched.held[table] = conv
