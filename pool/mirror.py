@@ -45,7 +45,7 @@ class TableMirror:
     def entries(self, t: int) -> list[int]:
         """Table `t`'s entries; a table no op has named (or a dropped one) is all trash."""
         row = self._rows.get(t)
-        return list(row) if row is not None else [self.trash] * self.table_chunks
+        return list(row) if row is not None else self._empty()
 
     def apply(self, op: Sequence[Any]) -> None:
         """Apply the op with version `self.version + 1`; raise StaleOp / OpGap / OpError otherwise."""
