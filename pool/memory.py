@@ -144,12 +144,15 @@ class PoolLayout:
             return rows
         raise ValueError(f"PoolLayout: no {which!r} array with kv_dtype {self.kv_dtype} (have {self.arrays})")
 
+    def _dtype(self, which: str) -> str:
+        """K and V are `kv_dtype`; the int8 scales are `SCALE_DTYPE`."""
+        return self.kv_dtype if which in ("k", "v") else SCALE_DTYPE
+
     def _array_nbytes(self, which: str) -> int:
-        dtype = self.kv_dtype if which in ("k", "v") else SCALE_DTYPE
         n = 1
         for d in self.shape(which):
             n *= d
-        return n * KV_DTYPES[dtype]
+        return n * KV_DTYPES[self._dtype(which)]
 
     def tensor_spec(self, layer: int, which: str) -> tuple[int, str, tuple[int, ...]]:
         """(byte offset from the start of the file, dtype name, shape) of one array of a local layer."""
@@ -159,8 +162,7 @@ class PoolLayout:
         offset = self.header_nbytes + layer * self.layer_nbytes
         for prior in self.arrays[: self.arrays.index(which)]:
             offset += self._array_nbytes(prior)
-        dtype = self.kv_dtype if which in ("k", "v") else SCALE_DTYPE
-        return offset, dtype, shape
+        return offset, self._dtype(which), shape
 
     def describe(self) -> str:
         """One line for logs: the data size and how it is made up, and the header apart."""
