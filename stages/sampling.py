@@ -188,8 +188,7 @@ class Sampler:
         """(probs, logprobs) per row of `logits` [B, V]: the distribution a token is drawn from after
         steps 1-5 (one-hot at the argmax of the penalised logits for greedy rows) and the reported
         logprobs (log_softmax after steps 1-2)."""
-        if logits.dim() != 2 or logits.shape != (len(slots), self.vocab):
-            raise ValueError(f"logits shape {tuple(logits.shape)} != ({len(slots)}, {self.vocab})")
+        self._check_shape(logits, slots)
         params = [self._slot(s) for s in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=logits.device)
         x = self.penalise(logits, slots)
@@ -213,8 +212,7 @@ class Sampler:
         if all(p.greedy and not p.penalised for p in params):
             # What `distribution` gives for such rows, without its one-hot: the argmax of the logits and the
             # log_softmax at temperature 1 (x / 1 and the unpenalised copy change no value).
-            if logits.dim() != 2 or logits.shape != (len(slots), self.vocab):
-                raise ValueError(f"logits shape {tuple(logits.shape)} != ({len(slots)}, {self.vocab})")
+            self._check_shape(logits, slots)
             x = logits.float()
             tokens, logprobs = x.argmax(dim=-1), x.log_softmax(dim=-1)
             return self._finish(tokens, logprobs, slots, params)
@@ -247,6 +245,11 @@ class Sampler:
         return [(tokens_l[b], chosen_l[b],
                  list(zip(top_ids_l[b][:p.logprobs], top_lp_l[b][:p.logprobs])) if p.logprobs else [])
                 for b, p in enumerate(params)]
+
+    def _check_shape(self, logits: torch.Tensor, slots: list[int]) -> None:
+        """Logits come as one row per slot, each over the whole vocabulary."""
+        if logits.dim() != 2 or logits.shape != (len(slots), self.vocab):
+            raise ValueError(f"logits shape {tuple(logits.shape)} != ({len(slots)}, {self.vocab})")
 
     def _slot(self, slot: int) -> SamplingParams:
         p = self.params[slot]
