@@ -138,7 +138,7 @@ async def measure_strata(url: str, prompts: dict[int, list[list[int]]], output_t
         return min([await batch(b, max_tokens) for _ in range(repeats)], key=lambda x: x[0])
 
     rows = []
-    async with make_client(cfg, max(concurrency)) as client:
+    async with make_client(cfg.url, cfg.api_key, cfg.timeout_s, max(concurrency) + 2) as client:
         cfg.model = await resolve_model(client)
         greedy = await stream_request(client, cfg, [], output_tokens, prompt_ids=prompts[1][0])  # also warms up
         if not greedy.ok:

@@ -193,11 +193,12 @@ async def stream_request(client: httpx.AsyncClient, cfg: ServeConfig, messages: 
     return res
 
 
-def make_client(cfg: ServeConfig, concurrency: int) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    return httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, limits=limits,
-                             timeout=httpx.Timeout(cfg.timeout_s, connect=10.0))
+def make_client(url: str, api_key: str | None, timeout_s: float, connections: int) -> httpx.AsyncClient:
+    """A client of the server at `url` (Bearer `api_key` when given) with room for `connections` at once."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
+                             timeout=httpx.Timeout(timeout_s, connect=10.0))
 
 
 async def resolve_model(client: httpx.AsyncClient) -> str:
@@ -312,7 +313,7 @@ async def run_serve(cfg: ServeConfig, concurrency: list[int], requests: int | No
     """The whole serve benchmark: calibration, one level per concurrency, then the appended-turn case
     (skipped when long_tokens is 0). Returns a report result (see report.py)."""
     rng = random.Random(cfg.seed)
-    async with make_client(cfg, max(concurrency)) as client:
+    async with make_client(cfg.url, cfg.api_key, cfg.timeout_s, max(concurrency) + 2) as client:
         if cfg.model is None:
             cfg.model = await resolve_model(client)
         words_per_token, calib_note = await calibrate_words(client, cfg, rng)

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from .report import percentile
-from .serve import random_words
+from .serve import make_client, random_words
 
 DOCUMENTED = frozenset({"503 kv_pool_full", "503 queue_full"})
 EXPECTED = frozenset({"ok", "disconnected"}) | DOCUMENTED
@@ -198,10 +198,7 @@ async def settle(client: httpx.AsyncClient, timeout_s: float = 30.0) -> dict:
 
 
 async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.clients + 4, max_keepalive_connections=cfg.clients + 4)
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s, connect=10.0)) as client:
+    async with make_client(cfg.url, cfg.api_key, cfg.timeout_s, cfg.clients + 4) as client:
         shape, served = await calibrate(client, random.Random(cfg.seed))
         model = cfg.model or served
         outcomes: list[Outcome] = []
