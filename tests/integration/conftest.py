@@ -222,7 +222,10 @@ def free_port() -> int:
 class Server:
     """One `strata up` box on 127.0.0.1: a supervisor, the coordinator and two CPU stages."""
 
-    def __init__(self, root: Path, model: Path, engine: dict) -> None:
+    def __init__(self, root: Path, model: Path, engine: dict, coordinator: dict | None = None,
+                 headers: dict | None = None, timeout: float = 60) -> None:
+        """`engine` overrides the serving defaults; `coordinator` holds the coordinator keys besides the port and
+        the heartbeat (default: host 127.0.0.1); `headers` and `timeout` are those of `.http`."""
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -230,13 +233,14 @@ class Server:
                "kv_pool_tokens": 2048, **engine}
         stages = [{"device": "cpu", "layers": layers, "endpoint": f"ipc://{root}/s{i}"}
                   for i, layers in enumerate(split(4, 2))]
-        coord = {"host": "127.0.0.1", "port": self.port, "heartbeat_ms": 100, "stage_timeout_ms": 3000}
+        coord = {"port": self.port, "heartbeat_ms": 100, "stage_timeout_ms": 3000,
+                 **(coordinator if coordinator is not None else {"host": "127.0.0.1"})}
         self.data = {"model": str(model), "engine": eng, "stages": stages, "coordinator": coord}
         self.path = root / "box.yaml"
         self.path.write_text(yaml.safe_dump(self.data))
         self.cfg = load_config(self.path)
         self.proc: subprocess.Popen | None = None
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self.model = ""
 
     # ---- processes ---------------------------------------------------------------------------------

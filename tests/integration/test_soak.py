@@ -8,107 +8,34 @@ with the documented 503s (kv_pool_full, queue_full). Every test ends the same wa
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from coordinator.bench.soak import DOCUMENTED, SoakConfig, run_soak
 from pool.config import CoordinatorConfig, default_config_path, load_config
 from tests.coordinator.test_bad_input import EDGE_CASES, HAND_CASES, LIMIT, error_message, send
+from tests.integration.conftest import Server
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "soak-key-1"
 MODEL = {"arch": "qwen3", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 3}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Box:
-    """`strata up` on one config; `stop()` ends the supervisor and whatever it left running."""
+class Box(Server):
+    """`strata up` with the API key, a small pool and a short queue; `check_clean` also wants /health at 200."""
 
     def __init__(self, model: Path) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="sk", dir="/tmp"))  # ipc paths must stay short
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.path = self.root / "box.yaml"
-        self.path.write_text(yaml.safe_dump({
-            "model": str(model),
-            "engine": {"max_context": 64, "parallel": 4, "chunk_cells": 16, "kv_pool_tokens": 96, "max_waiting": 4,
-                       "threads": 1, "prefill_chunk": 64},
-            "stages": [{"device": "cpu", "layers": [0, 2], "endpoint": f"ipc://{self.root}/s0"},
-                       {"device": "cpu", "layers": [2, 4], "endpoint": f"ipc://{self.root}/s1"}],
-            # no host: the default (loopback) is what test_the_default_bind_is_loopback checks
-            "coordinator": {"port": self.port, "api_key": KEY, "max_body_bytes": LIMIT, "retry_after_s": 1,
-                            "heartbeat_ms": 100, "stage_timeout_ms": 3000},
-        }))
-        self.proc: subprocess.Popen | None = None
-        self.http = httpx.Client(base_url=self.url, headers={"x-api-key": KEY}, timeout=120)
-
-    def start(self, timeout: float = 180) -> None:
-        with open(self.root / "up.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--config", str(self.path)],
-                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"strata up exited:\n{self.log()[-3000:]}"
-            try:
-                if self.http.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"not healthy after {timeout} s:\n{self.log()[-3000:]}"
-            time.sleep(0.1)
-
-    def log(self) -> str:
-        return (self.root / "up.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        for entry in Path("/proc").iterdir():  # children the supervisor could not stop, found by our config path
-            try:
-                if entry.name.isdigit() and str(self.path).encode() in (entry / "cmdline").read_bytes():
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                continue
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def live(self) -> dict:
-        return self.http.get("/metrics", params={"format": "json"}).json()["live"]
+        root = Path(tempfile.mkdtemp(prefix="sk", dir="/tmp"))  # ipc paths must stay short
+        super().__init__(root, model, {"max_context": 64, "kv_pool_tokens": 96, "max_waiting": 4},
+                         # no host: the default (loopback) is what test_the_default_bind_is_loopback checks
+                         coordinator={"api_key": KEY, "max_body_bytes": LIMIT, "retry_after_s": 1},
+                         headers={"x-api-key": KEY}, timeout=120)
 
     def check_clean(self) -> None:
-        """Nothing running; after erase every cell is free and no slot is busy or holds cells."""
-        deadline = time.monotonic() + 30
-        while (live := self.live())["running"] or live["waiting"]:
-            assert time.monotonic() < deadline, live
-            time.sleep(0.05)
-        assert self.http.post("/slots", params={"action": "erase"}).status_code == 200
-        pool = self.live()["kv_pool"]
-        assert pool["free"] == pool["cells"], pool
-        assert all(s["state"] == "free" and s["cells"] == 0 for s in pool["slots"]), pool["slots"]
-        assert pool["parked"] == []
-        assert not any(s["is_processing"] for s in self.http.get("/slots").json())
+        super().check_clean()
         assert self.http.get("/health").status_code == 200
 
 
@@ -120,6 +47,7 @@ def server(tiny_model_factory):
         yield box
     finally:
         box.stop()
+        shutil.rmtree(box.root, ignore_errors=True)
 
 
 def chat_body() -> dict:
