@@ -150,9 +150,9 @@ class StageConfig(_Strict):
         """Where this stage receives hidden states from the previous stage."""
         if self.data_endpoint:
             return self.data_endpoint
-        if self.endpoint.startswith("tcp://"):
-            host, port = self.endpoint[len("tcp://"):].rsplit(":", 1)
-            return f"tcp://{host}:{int(port) + 1}"
+        hp = tcp_host_port(self.endpoint)
+        if hp is not None:
+            return f"tcp://{hp[0]}:{hp[1] + 1}"
         return self.endpoint + "-data"
 
 
