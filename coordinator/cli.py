@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pool.config import Config, ConfigError, load_config
+from pool.config import Config, ConfigError, default_config_path, load_config
 from pool.logs import event, setup_logging
 
 log = logging.getLogger("strata.coord")
@@ -70,10 +70,6 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="box YAML (default: the embedded cpu-tiny config)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set engine.kv_pool_tokens=8192")
-
-
-def default_config_path() -> str:
-    return str(Path(__file__).resolve().parent.parent / "configs" / "cpu-tiny.yaml")
 
 
 def coord_main(argv: list[str] | None = None) -> int:
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         from .launch import up
 
-        return up(args.config or default_config_path(), args.overrides)
+        return up(args.config or str(default_config_path()), args.overrides)
     p.print_help()
     return 2
 
