@@ -45,14 +45,19 @@ def _flat(arr: torch.Tensor) -> torch.Tensor:
     return arr.view(-1, *arr.shape[2:])
 
 
+def check_table_reach(kv: KVCache, batch: StepBatch) -> None:
+    """No step may reach past a table: its cells there have no chunk (a kernel would send them to the trash)."""
+    if batch.max_context > kv.table_chunks * kv.chunk_cells:
+        raise ValueError(
+            f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells"
+        )
+
+
 def token_cells(kv: KVCache, batch: StepBatch) -> torch.Tensor:
     """Flat cell number `[T]` of each new token: chunk tables[slot, pos // C], offset pos % C."""
     key = ("token_cells", id(kv))
     if key not in batch.cache:
-        if batch.max_context > kv.table_chunks * kv.chunk_cells:
-            raise ValueError(
-                f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells"
-            )
+        check_table_reach(kv, batch)
         c = kv.chunk_cells
         cells = []
         for slot, start, n, _ in batch.slots:
@@ -175,8 +180,7 @@ def paged_attention(
     The step's K/V must already be written (`write_kv`), so a token sees the new tokens before it in its own
     slot. One `scaled_dot_product_attention` call per group of the step (layout in the module docstring).
     """
-    if batch.max_context > kv.table_chunks * kv.chunk_cells:
-        raise ValueError(f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells")
+    check_table_reach(kv, batch)
     n_tokens, heads, head_dim = q.shape
     out = None
     for index, g in enumerate(batch.groups):

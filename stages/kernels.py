@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stages.attention import check_table_reach
 from stages.batch import StepBatch
 from stages.kv_cache import KVCache
 
@@ -173,11 +174,8 @@ def _on(device: torch.device, name: str, t: torch.Tensor, dtype: torch.dtype | N
 
 
 def _check_table_reach(kv: KVCache, batch: StepBatch) -> None:
-    """The reference's rule: no step may reach past a table (the kernels would send it to the trash chunk)."""
-    if batch.max_context > kv.table_chunks * kv.chunk_cells:
-        raise ValueError(
-            f"context {batch.max_context} exceeds a table of {kv.table_chunks} chunks x {kv.chunk_cells} cells"
-        )
+    """The reference's rule (no step may reach past a table), and a head_dim the kernels were built for."""
+    check_table_reach(kv, batch)
     if kv.head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {kv.head_dim} is over the kernels' limit of {MAX_HEAD_DIM}")
 
