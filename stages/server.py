@@ -43,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +126,7 @@ class StageServer:
         return 0
 
     def _from_compute(self) -> None:
-        while True:
-            try:
-                frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in _waiting(self.results):
             dest = frames[0].bytes
             if dest == b"C":
                 self.router.send_multipart(frames[1:], copy=False)
@@ -141,11 +137,7 @@ class StageServer:
                 self.fatal = frames[1].bytes.decode()
 
     def _from_coord(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in _waiting(self.router):
             ident = frames[0].bytes
             self.peer = ident
             try:
@@ -169,11 +161,7 @@ class StageServer:
                 self.router.send_multipart([ident, *encode(ERROR, {"message": f"a stage does not take {kind}"})])
 
     def _from_prev(self) -> None:
-        while True:
-            try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in _waiting(self.pull):
             try:
                 kind, header, tensors = decode(frames)
                 if kind != HIDDEN or not isinstance(header.get("step"), int):
@@ -195,6 +183,15 @@ class StageServer:
         self.ctx.destroy(linger=0)
         for path in self.bound:
             path.unlink(missing_ok=True)
+
+
+def _waiting(sock: zmq.Socket) -> Iterator[list]:
+    """The multipart messages already waiting on `sock`, received without blocking (copy=False frames)."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
