@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,14 +25,9 @@ import httpx
 import pytest
 
 from pool.memory import default_path
+from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Front:
@@ -112,7 +106,7 @@ def coordinator(box):
     made: list[Front] = []
 
     def start(b) -> Front:
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "coordinator.cli", "coord", "--config", str(b.path),
                 "--set", f"coordinator.port={port}"]
         front = Front(argv, b.root / f"coord{len(made)}.log", port)
@@ -132,7 +126,7 @@ def strata_up_box(box):
     made: list[tuple[Front, list[Path]]] = []
 
     def start(b) -> Front:
-        port = _free_port()
+        port = free_port()
         path = b.write_variant("up", coordinator={**b.data["coordinator"], "port": port})
         fp = b.cfg.fingerprint()  # the port is not part of it
         pool_files = [default_path(f"{fp}-stage{i}") for i in range(len(b.cfg.stages))]
