@@ -347,9 +347,8 @@ class Scheduler:
         err = EngineError.stage_down(f"stage {index} is down: {reason}")
         for job in [j for j in self.jobs if j is not None]:
             self._fail(job, err)
-        for job in list(self.waiting):
-            job.done = True
-            job.events.put_nowait(err)
+        for job in self.waiting:
+            self._fail(job, err)
         self.waiting.clear()
 
     def _stage_up(self, index: int) -> None:
