@@ -92,7 +92,7 @@ def geometry(name: str) -> dict[str, Any]:
 
 
 def time_swap(table_chunks: int, chunk_cells: int, cells: int, kv: KVCache, repeats: int) -> float:
-    """Median seconds of one move by table swap, the whole path of the module docstring."""
+    """Best seconds of one move by table swap (`timeit`), the whole path of the module docstring."""
     n_chunks = kv.n_chunks
     cmap = ChunkMap(n_chunks, chunk_cells, table_chunks, n_slots=1)
     mirror = TableMirror(n_chunks, table_chunks, n_slots=1)
@@ -109,16 +109,11 @@ def time_swap(table_chunks: int, chunk_cells: int, cells: int, kv: KVCache, repe
         for slot in mirror.changed_slots:
             kv.set_table(slot, mirror.entries(slot))
 
-    move()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        move()
-        times.append(time.perf_counter_ns() - t0)
+    best = timeit(move, repeats)
     for t in (0, parked):  # the mirror and the device row must agree with the map, or nothing was moved
         assert mirror.entries(t) == cmap.entries(t), f"mirror of table {t} differs from the map"
     assert kv.tables[0].tolist() == cmap.entries(0), "device table row differs from the map"
-    return min(times) / 1e9
+    return best
 
 
 def bench_moves(geo: dict[str, Any], kv_dtype: str, cells_list: list[int], max_timed_layers: int,
