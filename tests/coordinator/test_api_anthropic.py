@@ -8,17 +8,11 @@ import httpx
 import pytest
 
 from coordinator.engine import EngineError
-from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fake_engine import SCRIPT_TEXT, parse_sse, running_front
 
 SYSTEM = "Be brief."
 MSGS = [{"role": "user", "content": "Say hello."}]
 TEMPLATE_MSGS = [{"role": "system", "content": SYSTEM}, *MSGS]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_factory())
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,9 @@ import openai
 import pytest
 
 from coordinator.engine import EngineError
-from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fake_engine import SCRIPT_TEXT, parse_sse, running_front
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_factory())
 
 
 @pytest.fixture(scope="module")

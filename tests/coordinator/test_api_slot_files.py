@@ -3,11 +3,9 @@ filename handed to the engine as given, bad bodies 400, the engine's refusals in
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from coordinator.api import make_app
 from coordinator.engine import EngineError
-from coordinator.tokenizer import Tokenizer
 from pool.config import config_from_dict
 from tests.coordinator.fake_engine import FakeEngine, serve
 
@@ -32,11 +30,6 @@ class FilingEngine(FakeEngine):
             raise self.refuse_file
         return {"id_slot": slot, "filename": filename, "n_restored": 42, "n_read": 4096,
                 "timings": {"restore_ms": 2.5}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_factory())
 
 
 def front(tokenizer, tmp_path, enabled: bool):

@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from coordinator.api_generation import LARGE_TEXT_CHARS, Front
-from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fake_engine import running_front
 
 LIMIT = 12 * 1024 * 1024  # coordinator.max_body_bytes of every server these cases are sent to
@@ -207,11 +206,6 @@ def check_refused(client: httpx.Client, url: str, case: Case) -> None:
     assert resp.status_code == case.status, (case.name, resp.status_code, resp.text[:300])
     assert resp.headers["content-type"].startswith("application/json"), (case.name, resp.headers)
     error_message(case, resp)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_factory())
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.engine import EngineError
 from coordinator.metrics import Metrics
-from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fake_engine import running_front
 
 MSGS = [{"role": "user", "content": "Say hello."}]
@@ -30,11 +29,6 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_factory())
 
 
 @pytest.fixture(scope="module")
