@@ -133,10 +133,10 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     panels = spec["panels"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     x_field, series = spec["x"], spec.get("series", [])
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(_series_key(row, series), []).append(row)
     for ax, panel in zip(axes[0], panels):
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for row in rows:
-            groups.setdefault(_series_key(row, series), []).append(row)
         if panel.get("kind") == "bar":
             _bars(ax, rows, groups, x_field, panel["y"], series)
         else:
