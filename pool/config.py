@@ -79,6 +79,16 @@ class EngineConfig(_Strict):
     max_waiting: int = Field(64, ge=0)
     slot_save_path: str | None = None
     threads: int = Field(0, ge=0)  # torch threads per stage; 0 = torch's default
+    # Cells of the device window per stage (pool/window_plan.py): "auto" = the whole pool on CUDA when it
+    # fits, off on CPU; a number turns a CPU stage's window on too.
+    device_cells: int | Literal["auto"] = "auto"
+
+    @field_validator("device_cells")
+    @classmethod
+    def _device_cells(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"a window cannot have {v} cells; use auto, 0 (off on CPU) or a number of cells")
+        return v
 
     @property
     def pool_on(self) -> bool:

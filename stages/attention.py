@@ -141,19 +141,26 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale[..., None]).to(dtype)
 
 
+def encode_kv(kv: KVCache, k: torch.Tensor, v: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The arrays a step's new `k`, `v [T, kv_heads, head_dim]` are stored as: ("k", ...), ("v", ...) in the
+    kv dtype, plus ("k_scale", ...), ("v_scale", ...) for int8 (module docstring)."""
+    if kv.quantized:
+        (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
+        return [("k", qk), ("v", qv), ("k_scale", sk), ("v_scale", sv)]
+    if k.dtype != kv.dtype:
+        k, v = k.to(kv.dtype), v.to(kv.dtype)
+    return [("k", k), ("v", v)]
+
+
+def store_kv(kv: KVCache, layer: int, cells: torch.Tensor, encoded: list[tuple[str, torch.Tensor]]) -> None:
+    """Put `encoded` rows (from `encode_kv`) into flat `cells [T]` of local `layer`'s arrays."""
+    for which, rows in encoded:
+        _flat(getattr(kv, which)[layer]).index_copy_(0, cells, rows)
+
+
 def write_kv(kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store the step's new `k`, `v [T, kv_heads, head_dim]` of local `layer` in each token's cell."""
-    cells = token_cells(kv, batch)
-    if kv.quantized:
-        for new, arr, scales in ((k, kv.k[layer], kv.k_scale[layer]), (v, kv.v[layer], kv.v_scale[layer])):
-            q, s = quantize_int8(new)
-            _flat(arr).index_copy_(0, cells, q)
-            _flat(scales).index_copy_(0, cells, s)
-    else:
-        if k.dtype != kv.dtype:
-            k, v = k.to(kv.dtype), v.to(kv.dtype)
-        _flat(kv.k[layer]).index_copy_(0, cells, k)
-        _flat(kv.v[layer]).index_copy_(0, cells, v)
+    store_kv(kv, layer, token_cells(kv, batch), encode_kv(kv, k, v))
 
 
 def _context(kv: KVCache, layer: int, read: _Read, n_entries: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -37,6 +37,7 @@ from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
 from stages.rope import Rope, apply_rope
+from stages.window import StepView
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -206,11 +207,11 @@ class StageModel:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def __call__(self, batch: StepBatch, kv: KVCache, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
         return self.forward(batch, kv, x, logits_all)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv: KVCache, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
+    def forward(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
         """Run one step. `x`: int token ids `[T]` on the first stage, hidden `[T, hidden]` otherwise.
 
         Returns hidden `[T, hidden]` (model dtype) on a non-last stage; on the last stage float32 logits for
@@ -253,7 +254,7 @@ class StageModel:
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: StepBatch,
-        kv: KVCache,
+        kv: KVCache | StepView,
     ) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
         eps, heads, kv_heads, head_dim = s.rms_norm_eps, s.num_heads, s.kv_heads, s.head_dim
@@ -265,13 +266,22 @@ class StageModel:
             qk = rms_norm(qk, w["qk_norm.weight"], eps)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
-        write_kv(kv, local, batch, k, v)
-        attn = paged_attention(q, kv, local, batch, self.scale, self.sliding_windows[local])
+        attn = _attend(kv, local, batch, q, k, v, self.scale, self.sliding_windows[local])
         x = x + _linear(attn, w, "self_attn.o_proj")
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
         gate_up = F.linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
         mlp = F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:]
         return x + _linear(mlp, w, "mlp.down_proj")
+
+
+def _attend(kv: KVCache | StepView, layer: int, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            scale: float, window: int | None) -> torch.Tensor:
+    """Write the step's new K/V and attend: straight through the pool (`KVCache`), or through the device
+    window's view of it (stages/window.py), which does the same over frames."""
+    if isinstance(kv, KVCache):
+        write_kv(kv, layer, batch, k, v)
+        return paged_attention(q, kv, layer, batch, scale, window)
+    return kv.attend(layer, batch, q, k, v, scale, window)
 
 
 def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -12,9 +12,11 @@ Rules:
 - Ops change the mirror first (it refuses gaps), then the changed slot rows are copied into the KV
   cache's fixed-address tables in place; an "exchange" op (the pool-off baseline moving a conversation)
   swaps the bytes of the two tables' fixed regions.
-- The pool share is one file (pool/memory.py) on CPU; arrays are `torch.frombuffer` views of it, so a
-  restarted stage re-attaches the same bytes. A file left by a crash is re-attached when its layout
-  matches, replaced otherwise. A clean `close()` removes the file.
+- The pool share is one file (pool/memory.py) on every device; arrays are `torch.frombuffer` views of it, so
+  a restarted stage re-attaches the same bytes. A file left by a crash is re-attached when its layout
+  matches, replaced otherwise. A clean `close()` removes the file. On CUDA the file is pinned
+  (cudaHostRegister) and steps read it through a device window of frames (stages/window.py), sized by
+  `engine.device_cells` (pool/window_plan.py); a CPU stage runs the same window when `device_cells` is set.
 - Generations: OPS carry the generation of every chunk they give to a table (`ChunkMap.generations_of`); the
   runner writes them into the pool file's header after the ops' bytes moved, and HELLO reports them, so after
   a crash the coordinator keeps exactly the conversations whose chunks this file still holds for them. They
@@ -35,6 +37,7 @@ from pool.chunk_map import TableMirror, region
 from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
 from pool.snapshot import SnapshotError, part_path, snapshot_fingerprint
+from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
 from .batch import StepBatch
@@ -43,6 +46,7 @@ from .kv_cache import KVCache, kv_dtype_name
 from .model import StageModel, resolve_dtype
 from .snapshot import arrays_of, check_part, load_part, save_part
 from .tensors import pool_array
+from .window import DeviceWindow
 
 
 class StaleStep(RuntimeError):
@@ -121,20 +125,17 @@ class StageRunner:
         self.n_slots, self.table_chunks = e.parallel, e.table_chunks
         layout = PoolLayout(self.model.num_local_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads,
                             self.model.head_dim, self.kv_dtype)
-        self.memory: PoolMemory | None = None
-        self.reattached = False
-        storage = None
-        if self.device.type == "cpu":
-            path = Path(pool_path) if pool_path else default_path(f"{self.config_fp}-stage{index}")
-            self.memory, self.reattached = _open_pool(path, layout)
+        # The pool file is the K/V's home on every device: mapped here, pinned on CUDA, re-attached after a crash.
+        path = Path(pool_path) if pool_path else default_path(f"{self.config_fp}-stage{index}")
+        self.memory, self.reattached = _open_pool(path, layout)
+        self.pinned = self.device.type == "cuda" and self.memory.pin(self.device.index)
 
-            def storage(layer: int, which: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-                return pool_array(self.memory, layer, which)
-        # On CUDA the arrays live in device memory (KVCache allocates them there, zeroed): attention reads
-        # them at device bandwidth. The host pool file would only be a second copy nothing reads, so none is
-        # made; re-attaching after a crash is a CPU-stage feature for now.
+        def storage(layer: int, which: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            return pool_array(self.memory, layer, which)
+
         self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
-                          self.kv_dtype, self.device, self.n_slots, self.table_chunks, storage=storage)
+                          self.kv_dtype, "cpu", self.n_slots, self.table_chunks, storage=storage)
+        self.window = self._window(layout)
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
         if self.model.is_last:
@@ -142,6 +143,27 @@ class StageRunner:
 
             self.sampler = Sampler(self.n_slots, self.model.vocab_size, self.device)
         self.max_context = e.max_context
+
+    def _window(self, layout: PoolLayout) -> DeviceWindow | None:
+        """The device window over the pool (stages/window.py), sized by pool/window_plan.py; None when off."""
+        e, spec = self.cfg.engine, self.model.spec
+        frame = frame_bytes(e.chunk_cells, layout.bytes_per_cell, layout.n_layers)
+        free = weights = None
+        scratch = 0
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            weights = torch.cuda.memory_allocated(self.device)
+            scratch = scratch_bytes(e, Geometry(spec.hidden_size, spec.intermediate_size, spec.num_heads,
+                                                spec.kv_heads, spec.head_dim, spec.vocab_size, self.model.is_last))
+        n_frames = plan_frames(e, self.device.type, frame, self.index, free, weights, scratch)
+        if not n_frames:
+            return None
+        return DeviceWindow(self.kv, n_frames, self.device, self.memory.generations, self.model.sliding_windows,
+                            spec.num_heads)
+
+    def window_stats(self) -> dict | None:
+        """The window's size and counters (stages/window.py rule 7), None without a window."""
+        return self.window.describe() if self.window is not None else None
 
     # ---- handshake and tables ------------------------------------------------------------------------
     @property
@@ -160,16 +182,19 @@ class StageRunner:
             "config_fp": self.config_fp,
             "pool": {"n_chunks": e.n_chunks, "chunk_cells": e.chunk_cells, "table_chunks": self.table_chunks,
                      "kv_dtype": self.kv_dtype, "n_slots": self.n_slots,
-                     "file": str(self.memory.path) if self.memory else None, "reattached": self.reattached},
+                     "file": str(self.memory.path), "reattached": self.reattached,
+                     "pinned": self.pinned, "window": self.window_stats()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "pid": os.getpid(),
             "version": self.mirror.version,
-            "generations": list(self.memory.generations[: e.n_chunks]) if self.memory is not None else None,
+            "generations": list(self.memory.generations[: e.n_chunks]),
         }
 
     def describe(self) -> str:
-        pool = f"pool file {self.memory.path}" if self.memory else "pool on the device"
+        pool = f"pool file {self.memory.path}{' (pinned)' if self.pinned else ''}"
+        if self.window is not None:
+            pool += f", device window {self.window.n_frames} frames = {self.window.cells} cells"
         return (f"layers [{self.first}, {self.last}) of {self.ckpt.num_layers} on {self.device} "
                 f"({str(self.dtype).removeprefix('torch.')}, kv {self.kv_dtype}, {self.cfg.engine.n_chunks} chunks, {pool})")
 
@@ -195,16 +220,16 @@ class StageRunner:
         (a restarted stage rejoining the coordinator that sent them keeps them for it to compare)."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
         self.kv.clear_tables()
-        if self.memory is not None and session is not None and self.memory.session != session:
+        if session is not None and self.memory.session != session:
+            if self.window is not None:
+                self.window.clear()  # generations restart with the new session (stages/window.py rule 2)
             gens = self.memory.generations
             for c in range(len(gens)):
                 gens[c] = 0
             self.memory.session = session
 
     def record_generations(self, pairs: list) -> None:
-        """Note [[chunk, generation], ...] from an OPS message in the pool file (nothing on a device pool)."""
-        if self.memory is None:
-            return
+        """Note [[chunk, generation], ...] from an OPS message in the pool file."""
         gens = self.memory.generations
         for chunk, generation in pairs:
             if not 0 <= chunk < len(gens):
@@ -279,7 +304,11 @@ class StageRunner:
         x = tokens if self.model.is_first else hidden
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
-        out = self.model.forward(batch, self.kv, x)
+        if self.window is None:
+            out = self.model.forward(batch, self.kv, x)
+        else:
+            with self.window.step(batch) as view:
+                out = self.model.forward(batch, view, x)
         if self.sampler is None:
             return out
         rows = batch.sample_slots
@@ -291,7 +320,7 @@ class StageRunner:
 
     def close(self, unlink: bool = True) -> None:
         """Drop the arrays and the mapping; `unlink` also removes the pool file (a clean shutdown)."""
-        self.kv = None  # type: ignore[assignment]
+        self.kv = self.window = None  # type: ignore[assignment]
         if self.memory is not None:
             self.memory.close()
             if unlink:

@@ -9,86 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pool.chunk_map import ChunkMap, OpGap, StaticMap
-from pool.config import Config, ConfigError, config_from_dict
+from pool.chunk_map import OpGap
+from pool.config import ConfigError
 from pool.memory import PoolMemory
 from pool.wire import PROTOCOL
 from stages.checkpoint import load_checkpoint
 from stages.runner import StageRunner, StaleStep
 from stages.tensors import pool_array
-
-GREEDY = {"temperature": 0.0}
-PROMPT_A = [5, 17, 99, 3, 250, 41, 8, 77, 120, 6, 33, 2, 9, 64, 18, 200, 11]  # 17 tokens: two chunks of 16
-PROMPT_B = [301, 7, 45, 12, 88]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("qwen3", layers=4, hidden=64, heads=4, kv_heads=2, seed=3)
-
-
-def make_cfg(model_dir: Path, ranges: list[list[int]], pool: bool = True, **engine: object) -> Config:
-    stages = [{"device": "cpu", "layers": r, "endpoint": f"ipc:///tmp/strata-test-runner-{i}"}
-              for i, r in enumerate(ranges)]
-    eng = {"max_context": 64, "parallel": 4, "chunk_cells": 16, "prefill_chunk": 64, "threads": 1,
-           "kv_pool_tokens": 192 if pool else 0, **engine}
-    return config_from_dict({"model": str(model_dir), "engine": eng, "stages": stages})
-
-
-class Local:
-    """The scheduler's part in-process: one map, ops applied to every runner before each step."""
-
-    def __init__(self, cfg: Config, tmp: Path) -> None:
-        e = cfg.engine
-        self.map = (ChunkMap if e.pool_on else StaticMap)(e.n_chunks, e.chunk_cells, e.table_chunks, e.parallel)
-        self.runners = [StageRunner(cfg, i, pool_path=tmp / f"pool{i}") for i in range(len(cfg.stages))]
-        self.step_id = 0
-
-    def sync(self) -> None:
-        for op in self.map.drain_ops():
-            for r in self.runners:
-                r.apply(op)
-
-    def step(self, slots: list[list[int]], tokens: list[int], sampling: dict | None = None) -> list:
-        for slot, start, n, _ in slots:
-            assert self.map.reserve(slot, start + n)
-        self.sync()
-        self.step_id += 1
-        header = {"step": self.step_id, "version": self.map.version, "slots": slots, "sampling": sampling or {}}
-        ids = torch.tensor(tokens, dtype=torch.int32)
-        x = None
-        for r in self.runners:
-            x = r.step(header, ids, x)
-        return x
-
-    def decode(self, slot: int, pos: int, token: int, n: int, sampling: dict | None = None) -> list[int]:
-        out = [token]
-        for i in range(n):
-            res = self.step([[slot, pos + i, 1, 1]], [out[-1]], sampling if i == 0 else None)
-            out.append(res[0][1])
-        return out[1:]
-
-    def generate(self, slot: int, prompt: list[int], n: int) -> list[int]:
-        first = self.step([[slot, 0, len(prompt), 1]], prompt, {slot: dict(GREEDY)})[0][1]
-        return [first, *self.decode(slot, len(prompt), first, n)]
-
-    def close(self, unlink: bool = True) -> None:
-        for r in self.runners:
-            r.close(unlink=unlink)
-
-
-@pytest.fixture
-def local(model_dir, tmp_path):
-    made: list[Local] = []
-
-    def make(ranges: list[list[int]], pool: bool = True, **engine: object) -> Local:
-        made.append(Local(make_cfg(model_dir, ranges, pool, **engine), tmp_path))
-        return made[-1]
-
-    yield make
-    for m in made:
-        m.close()
-
+from tests.stages.harness import GREEDY, PROMPT_A, PROMPT_B, Local, make_cfg
 
 def test_hello_reports_what_the_coordinator_checks(model_dir, local):
     cfg_runners = local([[0, 2], [2, 4]])
