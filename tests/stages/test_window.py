@@ -9,6 +9,10 @@ import random
 import pytest
 import torch
 
+from stages.attention import paged_attention, write_kv
+from stages.batch import StepBatch
+from stages.kv_cache import KVCache
+from stages.split_attention import Piece, finish, merge, partial_attention
 from stages.window import DeviceWindow
 from tests.stages.harness import GREEDY, PROMPT_A, PROMPT_B, Local, make_cfg
 
@@ -244,3 +248,30 @@ def test_window_sizes_from_device_cells(local):
     assert local([[0, 4]], device_cells=0).runners[0].window is None
     assert local([[0, 4]], device_cells=C + 1).runners[0].window.n_frames == 2  # whole chunks, rounded up
     assert local([[0, 4]], device_cells=10**6).runners[0].window.n_frames == 12  # at most the pool
+
+
+def split_matches_paged(device: str, kv_dtype: torch.dtype = torch.float32) -> None:
+    """A decode and a prefill piece read in two pieces, merged, equal one read of the whole context."""
+    gen = torch.Generator().manual_seed(0)
+    kv = KVCache(1, 8, 16, 2, 32, kv_dtype, device, n_slots=2, table_chunks=4)
+    kv.set_table(0, [3, 1, 6, 8])
+    kv.set_table(1, [0, 5, 8, 8])
+    batch = StepBatch.from_slots([[0, 40, 1, 1], [1, 20, 8, 1]], device)
+    for ctx_slot, ctx in ((0, 40), (1, 20)):  # the cells before the step's
+        old = StepBatch.from_slots([[ctx_slot, 0, ctx, 0]], device)
+        write_kv(kv, 0, old, *(torch.randn(ctx, 2, 32, generator=gen).to(device) for _ in range(2)))
+    k, v, q = (torch.randn(batch.num_tokens, h, 32, generator=gen).to(device) for h in (2, 2, 4))
+    write_kv(kv, 0, batch, k, v)
+    for window in (None, 12):
+        want = paged_attention(q, kv, 0, batch, 32 ** -0.5, window)
+        first = Piece([list(range(3 * 16, 4 * 16)), list(range(0, 16))], [list(range(16)), list(range(16))])
+        second = Piece([[*range(16, 32), *range(6 * 16, 6 * 16 + 9)], list(range(5 * 16, 5 * 16 + 12))],
+                       [list(range(16, 41)), list(range(16, 28))])
+        p = merge(None, partial_attention(q, kv, 0, batch, first, 32 ** -0.5, window))
+        p = merge(p, partial_attention(q, kv, 0, batch, second, 32 ** -0.5, window))
+        torch.testing.assert_close(finish(p, batch, q.dtype), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["float32", "int8"])
+def test_split_attention_merges_pieces_exactly(kv_dtype):
+    split_matches_paged("cpu", kv_dtype)

@@ -1,0 +1,57 @@
+"""A 2-stage box on the GPU under `strata up`, against the same box on CPU stages: the official client's greedy
+answer is the same text, through the whole device window and through one of two frames (streamed steps), and
+the pool's cells all come back. Needs CUDA (both stages share cuda:0 when there is one device)."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pool.config import load_config
+from tests.integration.conftest import SERVING_MODEL, Server
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MESSAGES = [{"role": "user", "content": "Tell me about the pinned host pool and its device window."}]
+
+
+def box(model: Path, device: str | None, **engine: object) -> Server:
+    root = Path(tempfile.mkdtemp(prefix="gpu", dir="/tmp"))
+    server = Server(root, model, dict(engine))
+    if device is not None:
+        n = torch.cuda.device_count()
+        for i, stage in enumerate(server.data["stages"]):
+            stage["device"] = f"cuda:{i % n}"
+        server.path.write_text(yaml.safe_dump(server.data))
+        server.cfg = load_config(server.path)
+    server.start()
+    return server
+
+
+def answer(server: Server) -> str:
+    out = server.openai().chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=24,
+                                                   temperature=0)
+    return out.choices[0].message.content
+
+
+@pytest.mark.parametrize("device_cells", ["auto", 32], ids=["whole-pool", "two-frames"])
+def test_a_cuda_box_answers_as_the_cpu_box(tiny_model_factory, device_cells):
+    model = tiny_model_factory(**SERVING_MODEL)
+    servers = []
+    try:
+        servers.append(box(model, None))
+        want = answer(servers[0])
+        servers.append(box(model, "cuda", device_cells=device_cells))
+        assert answer(servers[1]) == want
+        windows = servers[1].live().get("kv_window", [])
+        assert len(windows) == 2 and all(w["fills"] > 0 for w in windows), windows
+        for s in servers:
+            s.check_clean()
+    finally:
+        for s in servers:
+            s.stop()
+            shutil.rmtree(s.root, ignore_errors=True)
