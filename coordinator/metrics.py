@@ -14,7 +14,13 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   vllm:prefix_cache_hits_total (both in tokens), vllm:request_success_total{finished_reason},
   strata:kv_pool_cells, strata:kv_pool_free_cells, strata:kv_pool_held_cells{slot},
   strata:kv_pool_evictions_total, strata:requests_refused_total{code} (the engine's refusals plus those the
-  front decides itself, e.g. context_length_exceeded), strata:requests_truncated_total.
+  front decides itself, e.g. context_length_exceeded), strata:requests_truncated_total,
+  and per stage with a device window (stages/window.py), labelled `stage="0"`...: strata:kv_window_frames,
+  strata:kv_window_cells, strata:kv_window_resident_frames, strata:kv_window_device_bytes,
+  strata:kv_window_steps_total, strata:kv_window_streamed_steps_total, strata:kv_window_hits_total,
+  strata:kv_window_fills_total, strata:kv_window_stale_total, strata:kv_window_evictions_total,
+  strata:kv_window_streamed_total, strata:kv_window_h2d_bytes_total, strata:kv_window_d2h_bytes_total
+  (none when no stage has a window; a stage's values are those of its last heartbeat answer).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
 (`slot="parked:<table>"`).
 """
@@ -41,6 +47,25 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# strata:kv_window_<name> per stage: (key of a `live_metrics()["kv_window"]` entry, help text).
+WINDOW_GAUGES = {
+    "frames": ("frames", "Frames of the stage's device window (one pool chunk each)."),
+    "cells": ("cells", "Cells the stage's device window holds."),
+    "resident_frames": ("resident", "Frames of the device window holding a chunk now."),
+    "device_bytes": ("device_bytes", "Bytes of the device window's frames."),
+}
+WINDOW_COUNTERS = {
+    "steps": ("steps", "Steps run through the device window."),
+    "streamed_steps": ("streamed_steps", "Steps whose chunks did not fit the window and were streamed."),
+    "hits": ("hits", "Chunks a step needed that were found valid in a frame."),
+    "fills": ("fills", "Whole chunks copied host->frame."),
+    "stale": ("stale", "Frames dropped because the chunk's generation changed."),
+    "evictions": ("evictions", "Resident chunks dropped from their frame to make room (a fill or a stream buffer)."),
+    "streamed": ("streamed", "One layer's cells of a chunk copied into a stream buffer."),
+    "h2d_bytes": ("h2d_bytes", "Bytes copied host->device."),
+    "d2h_bytes": ("d2h_bytes", "Bytes copied device->host (write-through)."),
+}
 
 
 class Metrics:
@@ -202,3 +227,16 @@ class _LiveCollector(Collector):
         yield refused
         yield CounterMetricFamily("strata:requests_truncated", "Requests ended early because the pool was full.",
                                   value=counters.get("truncations", 0))
+        yield from _window_series(live.get("kv_window", []))
+
+
+def _window_series(stages: list[dict]) -> Iterator[Metric]:
+    """strata:kv_window_* labelled by stage, from `live_metrics()["kv_window"]`; nothing when it is empty."""
+    if not stages:
+        return
+    for kind, table in ((GaugeMetricFamily, WINDOW_GAUGES), (CounterMetricFamily, WINDOW_COUNTERS)):
+        for name, (key, doc) in table.items():
+            fam = kind(f"strata:kv_window_{name}", doc, labels=["stage"])
+            for entry in stages:
+                fam.add_metric([str(entry["stage"])], entry.get(key, 0))
+            yield fam

@@ -33,7 +33,14 @@ def live_metrics(sched: Scheduler) -> dict:
             "parked": parked,
         },
         "counters": {**sched.counters, **sched.cache.counters, "refusals": dict(sched.counters["refusals"])},
+        "kv_window": kv_window(sched),
     }
+
+def kv_window(sched: Scheduler) -> list[dict]:
+    """Per stage with a device window, as of its last PONG: {"stage": i, frames, cells, ..., counters}.
+
+    A stage that is down, or has not answered a PING yet, has no entry (its PONG is the only source)."""
+    return [{"stage": s["index"], **s["kv_window"]} for s in sched.link.stage_info() if s.get("kv_window")]
 
 def health(sched: Scheduler) -> dict:
     up = list(sched.link.stages_up)

@@ -78,7 +78,8 @@ class Compute(threading.Thread):
         self.hidden = Hidden()
         self.runner: Any = None
         self.session: str | None = None
-        self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False}
+        # Read by the I/O thread for every PONG; "kv_window" is replaced whole, never changed in place.
+        self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False, "kv_window": None}
 
     def run(self) -> None:
         out = self.ctx.socket(zmq.PAIR)
@@ -97,6 +98,7 @@ class Compute(threading.Thread):
             out.send_multipart([b"F", str(err).encode()])
             out.close(linger=-1)
             return
+        self._window_stats()
         out.send_multipart([b"R"])
         try:
             while (item := self.items.get()) is not None:
@@ -129,6 +131,7 @@ class Compute(threading.Thread):
             event(log, "stage.session", stage=self.index, session=session, previous=self.session,
                   generations=sum(1 for g in self.runner.hello()["generations"] or [] if g))
             self.session = session
+            self._window_stats()  # a new session drops every frame
         self._to_coord(ident, HELLO, {**self.runner.hello(), "session": session})
 
     def _ops(self, ident: bytes, header: dict) -> None:
@@ -193,11 +196,16 @@ class Compute(threading.Thread):
             return
         finally:
             self.stats["busy"] = False
+            self._window_stats()
         self.stats["steps_run"] += 1
         if self.has_next:
             self._to_next(encode(HIDDEN, {"step": sid}, [to_raw(out)]))
         else:
             self._to_coord(ident, RESULT, {"step": sid, "tokens": out})
+
+    def _window_stats(self) -> None:
+        """The window's sizes and counters as of now (None without a window), for the next PONG."""
+        self.stats["kv_window"] = self.runner.window_stats()
 
     def _failed(self, ident: bytes, sid: int, err: Exception) -> None:
         """Report a refused or failed step to the coordinator and tell the next stage to drop it."""

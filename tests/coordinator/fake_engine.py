@@ -10,6 +10,7 @@ Knobs, set by a test and put back by `reset()`:
   truncate      end with reason "length" and truncated=True after `truncate_after` tokens
   cached_tokens reported in Finished
   stages_up     what health() reports
+  kv_window     the per-stage device window entries of live_metrics() (`KV_WINDOW`)
 `closed` lists the request ids whose iterator ended, for any reason (normally, closed, cancelled): the
 server runs in another thread, so tests wait on it with `wait_closed`.
 """
@@ -30,6 +31,13 @@ from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
 from pool.config import config_from_dict
 
 SCRIPT_TEXT = "Hello there! The pool holds chunks. Done."
+# live_metrics()["kv_window"]: stage 0 has a window that streamed, stage 1 one that never had to.
+KV_WINDOW = [
+    {"stage": 0, "frames": 2, "cells": 32, "device_bytes": 24576, "resident": 1, "steps": 9, "streamed_steps": 4,
+     "hits": 5, "fills": 6, "stale": 1, "evictions": 3, "streamed": 40, "h2d_bytes": 110592, "d2h_bytes": 2304},
+    {"stage": 1, "frames": 4, "cells": 64, "device_bytes": 40960, "resident": 3, "steps": 9, "streamed_steps": 0,
+     "hits": 14, "fills": 3, "stale": 0, "evictions": 0, "streamed": 0, "h2d_bytes": 24576, "d2h_bytes": 2304},
+]
 
 
 class FakeEngine:
@@ -55,6 +63,7 @@ class FakeEngine:
         self.stages_up = [True, True]
         self.running = 0
         self.counters = {"evictions": 3, "refusals": {"kv_pool_full": 2}, "truncations": 1}
+        self.kv_window = [dict(w) for w in KV_WINDOW]
         self.requests.clear()
         with self._cond:
             self.closed.clear()
@@ -111,6 +120,7 @@ class FakeEngine:
                 "parked": [{"table": 2, "cells": 96, "tokens": 90}],
             },
             "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
+            "kv_window": [dict(w) for w in self.kv_window],
         }
 
     def health(self) -> dict:

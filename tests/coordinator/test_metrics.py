@@ -8,9 +8,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.engine import EngineError
 from coordinator.metrics import Metrics
-from tests.coordinator.fake_engine import running_front
+from tests.coordinator.fake_engine import KV_WINDOW, running_front
 
 MSGS = [{"role": "user", "content": "Say hello."}]
+
+# strata:kv_window_* sample name -> the key of a live_metrics()["kv_window"] entry it is read from
+WINDOW_SAMPLES = {
+    "strata:kv_window_frames": "frames", "strata:kv_window_cells": "cells",
+    "strata:kv_window_resident_frames": "resident", "strata:kv_window_device_bytes": "device_bytes",
+    **{f"strata:kv_window_{k}_total": k for k in ("steps", "streamed_steps", "hits", "fills", "stale", "evictions",
+                                                   "streamed", "h2d_bytes", "d2h_bytes")},
+}
+WINDOW_NAMES = list(WINDOW_SAMPLES)
 
 EXPOSED = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -19,6 +28,7 @@ EXPOSED = [
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
     "strata:kv_pool_cells", "strata:kv_pool_free_cells", "strata:kv_pool_held_cells",
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
+    *WINDOW_NAMES,
 ]
 
 
@@ -85,6 +95,26 @@ def test_values_from_requests_and_live_view(served):
     assert s[("strata:requests_refused_total", (("code", "context_length_exceeded"),))] == 1
 
 
+def test_window_series_per_stage(served):
+    text = httpx.get(served.url + "/metrics").text
+    s = samples(text)
+    for name, key in WINDOW_SAMPLES.items():
+        for entry in KV_WINDOW:
+            assert s[(name, (("stage", str(entry["stage"])),))] == entry[key], (name, entry["stage"])
+    types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+    assert types["strata:kv_window_frames"] == "gauge" and types["strata:kv_window_fills"] == "counter"
+
+
+def test_no_window_series_without_a_window(served):
+    served.engine.kv_window = []
+    try:
+        s = samples(httpx.get(served.url + "/metrics").text)
+        assert not any(name.startswith("strata:kv_window") for name, _ in s)
+        assert s[("strata:kv_pool_cells", ())] == 1024
+    finally:
+        served.engine.kv_window = [dict(w) for w in KV_WINDOW]
+
+
 def test_gauges_are_read_at_scrape_time(served):
     served.engine.counters["evictions"] = 11
     try:
@@ -103,6 +133,7 @@ def test_json_format(served):
     assert body["requests"]["finished"] == {"stop": 1, "length": 1}
     assert body["requests"]["refused_by_front"] == {"context_length_exceeded": 1}
     assert body["latency_seconds"]["ttft"]["count"] == 2
+    assert body["live"]["kv_window"] == KV_WINDOW
     assert httpx.get(served.url + "/metrics", params={"format": "xml"}).status_code == 400
 
 
