@@ -10,17 +10,26 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
   is allocated too): (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * head_dim * kv_bytes, plus for
   int8 the float32 scale per cell per head, (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * 4.
   Cross-checked against `pool.memory.PoolLayout`, which the stage uses to size its file (its header, a
-  few KiB, comes on top and is not counted).
+  few KiB, comes on top and is not counted). These are host bytes: the pool file in /dev/shm/strata-<uid>, pinned with
+  cudaHostRegister on a CUDA stage, plain host memory on a CPU stage.
 - weights: the tensors of its layer range, plus the embedding on the first stage and the final norm and
   lm_head on the last (a tied lm_head is the embedding, loaded by the last stage too); in `engine.dtype`
   when it is set, else as stored.
-- on a CUDA stage, weights + pool as one device-memory figure (a note): the stage runner keeps its K/V
-  arrays on the device.
+- window: the device window's frames (`pool.window_plan.plan_frames` with the free memory unknown, so
+  `engine.device_cells: auto` is the whole pool: at start a CUDA stage shrinks it to what fits), its cells
+  (frames * chunk_cells) and bytes ((frames + 1) * chunk_cells * layers * bytes_per_cell, the trash frame
+  included). A CUDA stage always has one; a CPU stage only when `device_cells` is a number (then the
+  frames are a second host array, and there is no device figure).
+- scratch (CUDA): `pool.window_plan.scratch_bytes`, the device memory a step's transient tensors are
+  given, from the model's hidden, intermediate, heads, KV heads, head_dim and vocab (last stage).
+- device (CUDA): weights + window + scratch, what the card must hold besides the CUDA context; a note
+  per CUDA stage spells it out beside the pinned host pool.
 - baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
   without the pool (one full context per slot plus one for a parked conversation).
 
 Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
-stages that do not cover the model's layers exactly once, a pool geometry the stage could not lay out.
+stages that do not cover the model's layers exactly once, a pool geometry the stage could not lay out,
+a `device_cells` a CUDA stage cannot run with (0: it has no other way to reach its K/V).
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ import yaml
 
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
+from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -68,6 +78,7 @@ class ModelInfo:
     vocab: int | None
     dtype: str                  # the stored dtype of the weights (config.json torch_dtype)
     weights_from: str           # "safetensors headers" | "config.json geometry" | "unknown"
+    intermediate: int | None = None  # MLP width (config.json intermediate_size), for the scratch estimate
 
 
 @dataclass(frozen=True)
@@ -76,9 +87,15 @@ class StageFigures:
     device: str
     layers: tuple[int, int]
     weight_bytes: int | None    # None: not computable (an architecture the geometry formula does not know)
-    pool_bytes: int
+    pool_bytes: int             # host bytes: the pool file's data (pinned on CUDA)
     pool_cells: int             # usable cells, n_chunks * chunk_cells (the trash chunk is in pool_bytes)
     baseline_bytes: int
+    pinned: bool = False        # the pool file is cudaHostRegister'ed (a CUDA stage)
+    window_frames: int = 0      # 0: no device window (a CPU stage without device_cells)
+    window_cells: int = 0       # window_frames * chunk_cells
+    window_bytes: int = 0       # (window_frames + 1) frames, the trash frame included
+    scratch_bytes: int | None = None  # CUDA only; None elsewhere or when the geometry is incomplete
+    device_bytes: int | None = None   # CUDA: weights + window + scratch; None elsewhere or when unknown
 
 
 @dataclass
@@ -144,6 +161,7 @@ def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
         hidden=hidden, heads=heads, kv_heads=conf.get("num_key_value_heads", heads),
         head_dim=conf.get("head_dim") or hidden // heads, vocab=conf.get("vocab_size"),
         dtype=str(conf.get("torch_dtype") or conf.get("dtype") or "float32"), weights_from=weights_from,
+        intermediate=conf.get("intermediate_size"),
     )
 
 
@@ -200,6 +218,58 @@ def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], tied:
     return totals
 
 
+def _stage_figures(cfg: Config, i: int, info: ModelInfo, per_cell: int, kv_dtype: str, weight_bytes: int | None,
+                   baseline_cells: int) -> StageFigures:
+    """Stage i's host pool, device window, scratch and device total (module docstring)."""
+    e, s = cfg.engine, cfg.stages[i]
+    n_layers = s.layers[1] - s.layers[0]
+    pool_bytes = (e.n_chunks + 1) * e.chunk_cells * n_layers * per_cell
+    try:
+        layout = PoolLayout(n_layers, e.n_chunks, e.chunk_cells, info.kv_heads, info.head_dim, kv_dtype)
+    except ValueError as err:
+        raise ConfigError(f"engine.chunk_cells={e.chunk_cells}: stage {i} cannot lay out its pool: {err}",
+                          key="engine.chunk_cells") from None
+    if layout.data_nbytes != pool_bytes:  # two derivations of one number; a difference is a bug
+        raise AssertionError(f"pool bytes {pool_bytes} != PoolLayout.data_nbytes {layout.data_nbytes}")
+    cuda = s.device.startswith("cuda")
+    frame = frame_bytes(e.chunk_cells, per_cell, n_layers)
+    frames = plan_frames(e, s.device, frame, i)  # free memory unknown: "auto" is the whole pool
+    window = window_bytes(frames, frame)
+    scratch = device = None
+    if cuda and info.intermediate is not None and info.vocab is not None:
+        is_last = i == len(cfg.stages) - 1
+        scratch = scratch_bytes(e, Geometry(info.hidden, info.intermediate, info.heads, info.kv_heads, info.head_dim,
+                                            info.vocab, is_last))
+        device = None if weight_bytes is None else weight_bytes + window + scratch
+    return StageFigures(i, s.device, s.layers, weight_bytes, pool_bytes, e.n_chunks * e.chunk_cells,
+                        baseline_cells * n_layers * per_cell, cuda, frames, frames * e.chunk_cells, window, scratch,
+                        device)
+
+
+def _memory_notes(cfg: Config, stages: list[StageFigures]) -> list[str]:
+    """Where each stage's bytes live: device total and pinned host pool per CUDA stage, the /dev/shm total."""
+    e, out = cfg.engine, []
+    for s in stages:
+        if s.pinned:
+            out.append(f"stage {s.index} on {s.device}: device = weights {_gib(s.weight_bytes)} + window "
+                       f"{_gib(s.window_bytes)} ({s.window_frames} frames of {e.chunk_cells} cells) + scratch "
+                       f"{_gib(s.scratch_bytes)} = {_gib(s.device_bytes)} GiB; pinned host pool "
+                       f"{_gib(s.pool_bytes)} GiB (the pool file, cudaHostRegister'ed)")
+        elif s.window_frames:
+            out.append(f"stage {s.index} on {s.device}: window {_gib(s.window_bytes)} GiB ({s.window_frames} frames "
+                       f"of {e.chunk_cells} cells), a second host array beside the pool file ({_gib(s.pool_bytes)} "
+                       f"GiB)")
+    if any(s.pinned for s in stages) and e.device_cells == "auto":
+        out.append("engine.device_cells=auto: the window figures are the whole pool; the free device memory is not "
+                   "known here, and at start a CUDA stage shrinks its window to what fits after the weights and "
+                   "the scratch (set a number of cells to fix it)")
+    pinned = sum(s.pool_bytes for s in stages if s.pinned)
+    if pinned:
+        out.append(f"pool files: {_gib(sum(s.pool_bytes for s in stages))} GiB of host memory (/dev/shm) for all "
+                   f"stages, {_gib(pinned)} GiB of it pinned (LimitMEMLOCK)")
+    return out
+
+
 def check(cfg: Config) -> Report:
     """Resolve the model, check the layer split against it, and compute every stage's figures."""
     notes = list(cfg.notes())
@@ -243,25 +313,9 @@ def check(cfg: Config) -> Report:
     if kv_dtype == "int8":
         per_cell += 2 * info.kv_heads * 4
     baseline_cells = (e.parallel + 1) * e.max_context
-    stages = []
-    for i, s in enumerate(cfg.stages):
-        n_layers = s.layers[1] - s.layers[0]
-        pool_bytes = (e.n_chunks + 1) * e.chunk_cells * n_layers * per_cell
-        try:
-            layout = PoolLayout(n_layers, e.n_chunks, e.chunk_cells, info.kv_heads, info.head_dim, kv_dtype)
-        except ValueError as err:
-            raise ConfigError(f"engine.chunk_cells={e.chunk_cells}: stage {i} cannot lay out its pool: {err}",
-                              key="engine.chunk_cells") from None
-        if layout.data_nbytes != pool_bytes:  # two derivations of one number; a difference is a bug
-            raise AssertionError(f"pool bytes {pool_bytes} != PoolLayout.data_nbytes {layout.data_nbytes}")
-        stages.append(StageFigures(i, s.device, s.layers, weights[i] if weights else None, pool_bytes,
-                                   e.n_chunks * e.chunk_cells, baseline_cells * n_layers * per_cell))
-    for s in stages:
-        if s.device.startswith("cuda"):
-            # stages/runner.py on CUDA allocates the K/V arrays in device memory (no host pool file).
-            total = "?" if s.weight_bytes is None else _gib(s.weight_bytes + s.pool_bytes)
-            notes.append(f"stage {s.index} on {s.device}: weights + pool = {total} GiB of device memory "
-                         f"(the CUDA stage keeps its K/V on the device), plus activations")
+    stages = [_stage_figures(cfg, i, info, per_cell, kv_dtype, weights[i] if weights else None, baseline_cells)
+              for i in range(len(cfg.stages))]
+    notes += _memory_notes(cfg, stages)
     return Report(cfg, info, kv_dtype, per_cell, baseline_cells, stages, notes)
 
 
@@ -286,8 +340,15 @@ def to_yaml(cfg: Config) -> str:
     return yaml.dump(cfg.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)
 
 
+def _window_rule(cells: int | str) -> str:
+    if cells == "auto":
+        return "off on CPU stages; on CUDA stages the whole pool, shrunk at start to what fits"
+    return "off on CPU stages; CUDA stages refuse it" if cells == 0 else "on every stage"
+
+
 def format_report(report: Report) -> str:
-    """A table (stage, device, layers, weights GiB, pool GiB, pool cells), totals, notes, the resolved YAML."""
+    """A table (stage, device, layers, weights, host pool, pool cells, window, device total), totals, the exact
+    bytes per stage, notes, the resolved YAML."""
     m, e = report.model, report.config.engine
     lines = [
         f"model: {m.source}",
@@ -296,12 +357,17 @@ def format_report(report: Report) -> str:
         f"pool: {'on' if e.pool_on else 'off (baseline: one full-context region per slot + 1)'}, "
         f"{e.n_chunks} chunks of {e.chunk_cells} cells + 1 trash chunk per stage, "
         f"KV {report.kv_dtype}, {report.bytes_per_cell} B per cell per layer",
+        f"device window: engine.device_cells={e.device_cells} ({_window_rule(e.device_cells)})",
         "",
-        f"{'stage':>5}  {'device':<8}  {'layers':<10}  {'weights GiB':>11}  {'pool GiB':>9}  {'pool cells':>10}",
+        f"{'stage':>5}  {'device':<8}  {'layers':<10}  {'weights GiB':>11}  {'pool GiB':>9}  {'pool cells':>10}  "
+        f"{'window GiB':>10}  {'device GiB':>10}",
     ]
     for s in report.stages:
+        window = _gib(s.window_bytes) if s.window_frames else "-"
+        device = _gib(s.device_bytes) if s.pinned else "-"
         lines.append(f"{s.index:>5}  {s.device:<8}  {f'[{s.layers[0]}, {s.layers[1]})':<10}  "
-                     f"{_gib(s.weight_bytes):>11}  {_gib(s.pool_bytes):>9}  {s.pool_cells:>10}")
+                     f"{_gib(s.weight_bytes):>11}  {_gib(s.pool_bytes):>9}  {s.pool_cells:>10}  {window:>10}  "
+                     f"{device:>10}")
     weights = [s.weight_bytes for s in report.stages]
     total_w = None if None in weights else sum(weights)  # type: ignore[arg-type]
     lines.append(f"{'total':>5}  {'':<8}  {'':<10}  {_gib(total_w):>11}  "
@@ -309,9 +375,17 @@ def format_report(report: Report) -> str:
     lines.append("")
     for s in report.stages:
         weights = "?" if s.weight_bytes is None else s.weight_bytes
-        lines.append(f"stage {s.index}: weights {weights} B, pool {s.pool_bytes} B; without the pool "
+        host = "pinned host memory" if s.pinned else "plain host memory"
+        lines.append(f"stage {s.index}: weights {weights} B, pool {s.pool_bytes} B ({host}); without the pool "
                      f"(parallel + 1) x max_context = {report.baseline_cells} cells: {s.baseline_bytes} B "
                      f"({_gib(s.baseline_bytes)} GiB)")
+        if s.window_frames:
+            line = (f"stage {s.index}: window {s.window_frames} frames = {s.window_cells} cells, + 1 trash frame: "
+                    f"{s.window_bytes} B")
+            if s.pinned:
+                line += (f"; scratch {'?' if s.scratch_bytes is None else s.scratch_bytes} B; device "
+                         f"{'?' if s.device_bytes is None else s.device_bytes} B")
+            lines.append(line)
     lines += [f"note: {n}" for n in report.notes]
     lines += ["", "# resolved config", to_yaml(report.config).rstrip()]
     return "\n".join(lines) + "\n"

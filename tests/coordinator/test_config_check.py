@@ -93,13 +93,15 @@ def test_header_reader(tiny: Path) -> None:
     assert t["data_offsets"][1] - t["data_offsets"][0] == 32 * 64 * 4
 
 
-# The dual-3080 box: Qwen3-30B-A3B attention geometry, hand-made config.json (no weight files).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-    "max_position_embeddings": 40960, "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+# The dual-3080 box: Qwen3-14B's config.json (no weight files: weights from the geometry).
+QWEN3_14B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 40, "hidden_size": 5120,
+    "intermediate_size": 17408, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
 }
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}  # Qwen's long-context block
+CARD = 20 * 2**30  # the 20 GiB card the YAML assumes
 
 
 def _dual(tmp_path: Path, conf: dict, overrides: list[str] | None = None) -> config_check.Report:
@@ -110,42 +112,127 @@ def _dual(tmp_path: Path, conf: dict, overrides: list[str] | None = None) -> con
 
 
 def test_dual_3080_exact_figures(tmp_path: Path) -> None:
-    report = _dual(tmp_path, QWEN3_30B_A3B)
-    assert report.kv_dtype == "int8" and report.bytes_per_cell == 2 * 4 * 128 + 2 * 4 * 4 == 1056
+    report = _dual(tmp_path, QWEN3_14B)
+    assert report.kv_dtype == "int8" and report.bytes_per_cell == 2 * 8 * 128 + 2 * 8 * 4 == 2112
+    assert report.model.weights_from == "config.json geometry"
+    layer = (2 * 5120 * 5120 + 2 * 1024 * 5120 + 3 * 17408 * 5120 + 2 * 128 + 2 * 5120) * 2
+    embed = 151936 * 5120 * 2
+    assert [s.weight_bytes for s in report.stages] == [20 * layer + embed, 20 * layer + 5120 * 2 + embed] \
+        == [14_768_302_080, 14_768_312_320]
+    frame = 4096 * 20 * 2112
     for s in report.stages:
-        assert s.pool_bytes == 129 * 4096 * 24 * 1056 == 13_391_364_096      # 12.47 GiB, as the YAML says
-        assert s.pool_cells == 524288
-        assert s.baseline_bytes == 3 * 262144 * 24 * 1056 == 19_931_332_608  # 18.56 GiB
-        assert s.weight_bytes is None
-    assert report.model.weights_from == "unknown"
-    assert any("Qwen3MoeForCausalLM is not one stages/ loads" in n for n in report.notes)
+        assert s.pool_bytes == 129 * 4096 * 20 * 2112 == 22_318_940_160      # 20.79 GiB, pinned host memory
+        assert s.pinned and s.pool_cells == 524288
+        assert s.baseline_bytes == 5 * 131072 * 20 * 2112 == 27_682_406_400
+        assert (s.window_frames, s.window_cells, s.window_bytes) == (20, 81920, 21 * frame) == (20, 81920, 3_633_315_840)
+    assert [s.scratch_bytes for s in report.stages] == [2_006_974_464, 2_006_974_464 + 4 * 151936 * 4]
+    assert [s.device_bytes for s in report.stages] == [20_408_592_384, 20_411_033_600]
+    assert all(s.device_bytes < CARD for s in report.stages)  # type: ignore[operator]
+    # 131072 cells need Qwen's YaRN block in config.json; with it, nothing to note about the rope.
     assert any("exceeds the model's max_position_embeddings=40960" in n for n in report.notes)
+    yarn = _dual(tmp_path, {**QWEN3_14B, "rope_scaling": YARN})
+    assert not any("max_position_embeddings" in n for n in yarn.notes)
     text = format_report(report)
-    assert "12.47" in text and "24.94" in text and "13391364096 B" in text
-    bf16 = _dual(tmp_path, QWEN3_30B_A3B, ["engine.kv_dtype=auto"])
-    assert bf16.kv_dtype == "bfloat16" and bf16.stages[0].pool_bytes == 129 * 4096 * 24 * 2048 == 25_971_130_368
+    assert "20.79" in text and "41.57" in text and "22318940160 B" in text and "20411033600 B" in text
+    bf16 = _dual(tmp_path, QWEN3_14B, ["engine.kv_dtype=auto"])
+    assert bf16.kv_dtype == "bfloat16" and bf16.stages[0].pool_bytes == 129 * 4096 * 20 * 4096 == 43_285_217_280
+
+
+def test_dual_3080_comments_state_the_report(tmp_path: Path) -> None:
+    """The YAML's arithmetic is what `strata config check` prints for Qwen3-14B, and every card holds it."""
+    text = (REPO / "configs" / "dual-3080.yaml").read_text()
+    assert "20 GiB = 21,474,836,480 B" in text and CARD == 21_474_836_480
+    report = _dual(tmp_path, {**QWEN3_14B, "rope_scaling": YARN})
+    for s in report.stages:
+        for figure in (s.weight_bytes, s.window_bytes, s.scratch_bytes, s.device_bytes, s.pool_bytes):
+            assert f"{figure:,} B" in text, (s.index, figure)
+        assert s.device_bytes is not None and s.device_bytes < CARD
+    both = sum(s.pool_bytes for s in report.stages)
+    assert f"{both:,} B = 41.57 GiB" in text
+    assert f"{report.bytes_per_cell:,} B" in text and f"{report.config.engine.device_cells:,}" in text
+    left = CARD - max(s.device_bytes for s in report.stages)  # type: ignore[type-var]
+    assert f"{left:,} B (0.99 GiB) left" in text
 
 
 def test_dense_geometry_weights_match_transformers(tmp_path: Path) -> None:
-    """A dense Qwen3 of the same attention geometry: weights from config.json vs transformers' own module."""
+    """Qwen3-14B's weights from config.json vs transformers' own module."""
     import torch
     import transformers
 
-    conf = {**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-    report = _dual(tmp_path, conf)
-    hf = transformers.Qwen3Config(**{k: v for k, v in conf.items() if k not in ("architectures", "torch_dtype")})
+    report = _dual(tmp_path, QWEN3_14B)
+    hf = transformers.Qwen3Config(**{k: v for k, v in QWEN3_14B.items() if k not in ("architectures", "torch_dtype")})
     with torch.device("meta"):
         params = dict(transformers.Qwen3ForCausalLM(hf).named_parameters())
     size = {k: p.numel() * 2 for k, p in params.items()}  # bf16
     in_layers = lambda a, b: sum(v for k, v in size.items()  # noqa: E731
                                  if k.startswith("model.layers.") and a <= int(k.split(".")[2]) < b)
     assert report.model.weights_from == "config.json geometry"
-    assert report.stages[0].weight_bytes == size["model.embed_tokens.weight"] + in_layers(0, 24)
-    assert report.stages[1].weight_bytes == in_layers(24, 48) + size["model.norm.weight"] + size["lm_head.weight"]
+    assert report.stages[0].weight_bytes == size["model.embed_tokens.weight"] + in_layers(0, 20)
+    assert report.stages[1].weight_bytes == in_layers(20, 40) + size["model.norm.weight"] + size["lm_head.weight"]
+    s0 = report.stages[0]
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
     device = [n for n in report.notes if n.startswith("stage 0 on cuda:0")]
-    total = (report.stages[0].weight_bytes + 13_391_364_096) / 2**30
-    assert device == [f"stage 0 on cuda:0: weights + pool = {total:.2f} GiB of device memory "
-                      "(the CUDA stage keeps its K/V on the device), plus activations"]
+    assert device == [f"stage 0 on cuda:0: device = weights {gib(s0.weight_bytes)} + window {gib(s0.window_bytes)} "
+                      f"(20 frames of 4096 cells) + scratch {gib(s0.scratch_bytes)} = {gib(s0.device_bytes)} GiB; "
+                      f"pinned host pool {gib(s0.pool_bytes)} GiB (the pool file, cudaHostRegister'ed)"]
+
+
+# --- the device window ------------------------------------------------------------------------------------
+
+# The tiny checkpoint on a CUDA stage: scratch written out from pool/window_plan.py's formula, for
+# hidden 64, intermediate 192, 4 heads, 2 KV heads, head_dim 16, vocab 512 and ENGINE (prefill_chunk 16,
+# max_context 64, parallel 2): activations 16 x (4 x 64 + 2 x 192 + (4 + 2 x 2) x 16) x 4 B, one layer's
+# context 2 x 64 x 2 x 16 x 4 B, a piece's scores 256 MiB, the last stage's logits 2 x 512 x 4 B, 512 MiB slack.
+TINY_SCRATCH = 16 * (4 * 64 + 2 * 192 + 8 * 16) * 4 + 2 * 64 * 2 * 16 * 4 + (256 << 20) + (512 << 20)
+TINY_LOGITS = 2 * 512 * 4
+CELL = 2 * 2 * 16 * 4  # float32 K and V of one cell in one layer
+
+
+def _on(tiny: Path, devices: list[str], **engine: object) -> dict:
+    data = _cfg(tiny, [(0, 2), (2, 4)], **engine)
+    for stage, device in zip(data["stages"], devices):
+        stage["device"] = device
+    return data
+
+
+def test_cuda_stage_device_is_weights_window_scratch(tiny: Path) -> None:
+    report = check(config_from_dict(_on(tiny, ["cuda:0", "cuda:1"], device_cells=40)))
+    s0, s1 = report.stages
+    # 40 cells = 3 frames of 16 cells (rounded up), + 1 trash frame, each 16 cells x 2 layers x 128 B.
+    window = (3 + 1) * 16 * 2 * CELL
+    assert (s0.window_frames, s0.window_cells, s0.window_bytes) == (3, 48, window) == (3, 48, 32768)
+    assert s0.scratch_bytes == TINY_SCRATCH and s1.scratch_bytes == TINY_SCRATCH + TINY_LOGITS
+    assert s0.device_bytes == EMBED_BYTES + 2 * LAYER_BYTES + window + TINY_SCRATCH
+    assert s1.device_bytes == 2 * LAYER_BYTES + NORM_BYTES + EMBED_BYTES + window + TINY_SCRATCH + TINY_LOGITS
+    # The pinned host figure is the pool file's data: 11 chunks of 16 cells in 2 layers.
+    assert all(s.pinned and s.pool_bytes == 11 * 16 * 2 * CELL for s in report.stages)
+    assert "note: stage 1 on cuda:1: device = weights 0.00049 + window 0.000031 (3 frames of 16 cells) + scratch " \
+           "0.75 = 0.75 GiB; pinned host pool 0.000084 GiB (the pool file, cudaHostRegister'ed)" in format_report(report)
+    # auto: the free memory is unknown here, so the window is the whole pool (10 frames), and a note says so.
+    auto = check(config_from_dict(_on(tiny, ["cuda:0", "cuda:1"])))
+    assert [s.window_frames for s in auto.stages] == [10, 10]
+    assert auto.stages[0].window_bytes == 11 * 16 * 2 * CELL == auto.stages[0].pool_bytes
+    assert any(n.startswith("engine.device_cells=auto: the window figures are the whole pool") for n in auto.notes)
+
+
+def test_cpu_window_only_with_a_number(tiny: Path) -> None:
+    default = check(config_from_dict(_cfg(tiny, [(0, 2), (2, 4)])))
+    for s in default.stages:
+        assert (s.window_frames, s.window_bytes, s.scratch_bytes, s.device_bytes, s.pinned) == (0, 0, None, None, False)
+    numbered = check(config_from_dict(_cfg(tiny, [(0, 2), (2, 4)], device_cells=17)))
+    for s in numbered.stages:  # 17 cells: 2 frames of 16, + the trash frame, in host memory
+        assert (s.window_frames, s.window_cells, s.window_bytes) == (2, 32, 3 * 16 * 2 * CELL)
+        assert (s.scratch_bytes, s.device_bytes, s.pinned) == (None, None, False)
+    row = next(x for x in format_report(numbered).splitlines() if x.startswith("    1  cpu"))
+    assert row.split()[-2:] == ["0.000023", "-"]
+    assert check(config_from_dict(_cfg(tiny, [(0, 2), (2, 4)], device_cells=10_000))).stages[0].window_frames == 10
+
+
+def test_device_cells_zero_is_refused_on_cuda(tiny: Path) -> None:
+    assert check(config_from_dict(_cfg(tiny, [(0, 2), (2, 4)], device_cells=0))).stages[0].window_frames == 0
+    with pytest.raises(ConfigError, match=r"engine.device_cells=0: stage 1 on cuda:0 needs a device window") as info:
+        check(config_from_dict(_on(tiny, ["cpu", "cuda:0"], device_cells=0)))
+    assert info.value.key == "engine.device_cells"
 
 
 def test_layer_split_must_match_the_model(tiny: Path) -> None:
@@ -198,8 +285,9 @@ def test_report_table_and_resolved_yaml(tiny: Path, tmp_path: Path) -> None:
     text = format_report(check(cfg))
     lines = text.splitlines()
     header = next(i for i, x in enumerate(lines) if x.lstrip().startswith("stage  device"))
-    assert lines[header].split() == ["stage", "device", "layers", "weights", "GiB", "pool", "GiB", "pool", "cells"]
-    assert lines[header + 1].split() == ["0", "cpu", "[0,", "2)", "0.000489", "0.000084", "160"]
+    assert lines[header].split() == ["stage", "device", "layers", "weights", "GiB", "pool", "GiB", "pool", "cells",
+                                     "window", "GiB", "device", "GiB"]
+    assert lines[header + 1].split() == ["0", "cpu", "[0,", "2)", "0.000489", "0.000084", "160", "-", "-"]
     assert "note: engine.kv_pool_tokens=150 is not a multiple of engine.chunk_cells=16" in text
     resolved = text.split("# resolved config\n", 1)[1]
     (tmp_path / "resolved.yaml").write_text(resolved)

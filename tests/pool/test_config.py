@@ -44,12 +44,12 @@ def test_cpu_tiny_is_the_embedded_default() -> None:
 
 def test_dual_3080() -> None:
     cfg = load_config(REPO / "configs" / "dual-3080.yaml")
-    assert [(s.device, s.layers) for s in cfg.stages] == [("cuda:0", (0, 24)), ("cuda:1", (24, 48))]
+    assert [(s.device, s.layers) for s in cfg.stages] == [("cuda:0", (0, 20)), ("cuda:1", (20, 40))]
     e = cfg.engine
-    assert (e.max_context, e.parallel, e.kv_pool_tokens, e.kv_dtype, e.chunk_cells) == (262144, 2, 524288, "int8", 4096)
-    assert (e.n_chunks, e.table_chunks) == (128, 64)
+    assert (e.max_context, e.parallel, e.kv_pool_tokens, e.kv_dtype, e.chunk_cells) == (131072, 4, 524288, "int8", 4096)
+    assert (e.n_chunks, e.table_chunks, e.device_cells) == (128, 32, 81920)
     assert cfg.stages[1].data == "ipc:///run/strata/stage-1-data"
-    cfg.check_layers(48)
+    cfg.check_layers(40)
 
 
 # --- refusals, each naming its key -----------------------------------------------------------------------
@@ -263,8 +263,8 @@ def test_yaml_errors(tmp_path: Path) -> None:
 def test_fingerprint_stable(tmp_path: Path) -> None:
     a = load_config(default_config_path())
     # Same content, other key order and spelling (flow vs block YAML, int device vs "cpu" strings).
-    text = ("stages:\n  - endpoint: ipc:///tmp/strata-stage-0\n    layers: [0, 2]\n    device: cpu\n"
-            "  - {endpoint: 'ipc:///tmp/strata-stage-1', layers: [2, 4]}\n"
+    text = ("stages:\n  - endpoint: ipc://{runtime}/stage-0\n    layers: [0, 2]\n    device: cpu\n"
+            "  - {endpoint: 'ipc://{runtime}/stage-1', layers: [2, 4]}\n"
             "engine: {chunk_cells: 256, kv_pool_tokens: 16384, parallel: 4, max_context: 4096}\nmodel: tiny\n")
     (tmp_path / "same.yaml").write_text(text)
     assert load_config(tmp_path / "same.yaml").fingerprint() == a.fingerprint()
