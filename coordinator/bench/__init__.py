@@ -2,13 +2,15 @@
 
     strata bench pool     move a conversation by table swap (pool on) vs byte copy (pool off); pool bytes
     strata bench paged    decode step through shuffled chunk tables vs one contiguous K/V tensor
+    strata bench window   decode step and bytes moved per token through the device window vs window off; the
+                          same rule computed for the dual-3080 box, next to the seeds' figures
     strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn)
     strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
     strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
 
 Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
-The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, and the torch
-parts of peers) run as `python -m stages.bench_*` child processes that write their result as JSON.
+The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, window, and the
+torch parts of peers) run as `python -m stages.bench_*` child processes that write their result as JSON.
 """
 from __future__ import annotations
 
@@ -97,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     paged.add_argument("--repeats", type=int, default=20)
     paged.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
+    window = sub.add_parser("window", help="decode through the device window vs window off; dual-3080 computed")
+    common(window)
+    window.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768])
+    window.add_argument("--long", action="store_true", help="add 65536 and 131072 cells to the contexts")
+    window.add_argument("--frames", type=int_list, default=[1, 2, 4], help="small windows, in frames")
+    window.add_argument("--chunk-cells", type=int, default=256)
+    window.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
+    window.add_argument("--steps", type=int, default=16, help="timed decode steps per variant")
+    window.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them")
+    window.add_argument("--threads", type=int, default=1, help="torch threads (0: the stage's default)")
+    window.add_argument("--json", action="store_true", help="also print the whole result as JSON")
+
     serve = sub.add_parser("serve", help="load generator for an OpenAI-compatible server")
     common(serve)
     serve.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
@@ -166,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                 "cells", "kv-dtypes", "geometries", "max-timed-layers", "swap-repeats", "copy-repeats", "threads"]))
         elif args.bench == "paged":
             result = run_child("stages.bench_paged", _child_args(args, ["contexts", "slots", "repeats", "threads"]))
+        elif args.bench == "window":
+            result = run_child("stages.bench_window", _child_args(args, [
+                "contexts", "frames", "chunk-cells", "kv-dtype", "steps", "warmup", "threads"])
+                + (["--long"] if args.long else []))
         elif args.bench == "serve":
             from .serve import ServeConfig, run_serve_sync
 
@@ -190,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata bench {args.bench}: {err}", file=sys.stderr)
         return 1
     publish(result, args.out, plot=plot)
+    if getattr(args, "json", False) is True:
+        print(json.dumps(result, indent=2))
     if args.bench == "soak":  # a soak is also a check: unexpected outcomes or a dirty pool fail it
         return 0 if result["summary"]["clean"] and not result["summary"]["unexpected"] else 1
     return 0

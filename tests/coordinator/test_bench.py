@@ -326,6 +326,30 @@ def test_paged_bench_smoke(tmp_path: Path) -> None:
     assert all(r["max_abs_diff"] <= 1e-4 for r in rows)
 
 
+def test_window_cli_parsing() -> None:
+    args = bench.build_parser().parse_args(["window", "--contexts", "64,128", "--frames", "1,2", "--steps", "3",
+                                            "--long", "--json"])
+    assert args.contexts == [64, 128] and args.frames == [1, 2] and args.long and args.json
+    assert bench._child_args(args, ["contexts", "frames", "steps", "threads"]) == [
+        "--contexts", "64,128", "--frames", "1,2", "--steps", "3", "--threads", "1"]
+    for bad in (["window", "--frames", "0"], ["window", "--kv-dtype", "fp8"]):
+        with pytest.raises(SystemExit):
+            bench.build_parser().parse_args(bad)
+
+
+def test_window_bench_smoke(tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    rc = bench.main(["window", "--contexts", "64", "--chunk-cells", "16", "--frames", "1", "--steps", "2",
+                     "--out", str(tmp_path), "--no-plot", "--json"])
+    assert rc == 0
+    data = json.loads((tmp_path / "window.json").read_text())
+    assert [(r["window"], r["mode"]) for r in data["rows"]] == [("off", "-"), ("whole", "resident"),
+                                                                  ("F=1", "streamed")]
+    assert data["rows"][2]["h2d_bytes_tok"] > 0 and data["rows"][1]["fills_tok"] == 0
+    assert [t["title"].split(",")[0] for t in data["tables"]] == ["dual-3080", "the seeds' box"]
+    out = capfd.readouterr().out
+    assert "h2d_bytes_tok" in out and '"bench": "window"' in out  # the table, then the JSON (--json)
+
+
 # -- peers: the pure parts (the runs themselves need a server and minutes)
 
 def test_peers_config_splits_layers_and_threads() -> None:
