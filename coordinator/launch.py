@@ -11,7 +11,10 @@ Rules:
   child started is left behind.
 - A stage that dies is restarted after a short backoff (0.5 s, doubling up to 10 s; back to 0.5 s after it
   has run for a minute). The coordinator re-handshakes it on its own.
-- If the coordinator exits, everything is shut down and its exit status is returned.
+- If the coordinator exits, everything is shut down and its exit status is returned. So does a stage that
+  exits with status 2 (its config or its endpoint is refused: a restart would fail the same way).
+- A box whose stages are already up (an ipc endpoint's lock is held, pool/runtime.py) is refused before
+  anything starts, naming the live stage's pid: nothing of the running box is touched.
 """
 from __future__ import annotations
 
@@ -23,11 +26,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pool.config import ConfigError, load_config
+from pathlib import Path
+
+from pool.config import Config, ConfigError, load_config
+from pool.runtime import RuntimeDirError, is_held
 
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 10.0, 60.0
 GRACE_S = 10.0
 POLL_S = 0.2
+FATAL_STATUS = 2  # a child refused its config or its endpoint: never restarted
+
+
+def live_stages(cfg: Config) -> list[str]:
+    """The ipc endpoints of `cfg` a live stage serves now (its lock is held), with the holder's pid."""
+    out = []
+    for i, s in enumerate(cfg.stages):
+        for endpoint in [s.endpoint, *([s.data] if i else [])]:
+            if endpoint.startswith("ipc://"):
+                path = Path(endpoint[len("ipc://"):])
+                pid = is_held(path.with_name(path.name + ".lock"))
+                if pid is not None:
+                    out.append(f"stage {i}'s {endpoint} (pid {pid or '?'})")
+    return out
 
 
 def stage_command(config_path: str, index: int, overrides: list[str]) -> list[str]:
@@ -93,7 +113,7 @@ class Supervisor:
             code = c.proc.poll()
             if code is None:
                 continue
-            if not c.restart:
+            if not c.restart or code == FATAL_STATUS:
                 return c
             if now - c.started > STABLE_S:
                 c.backoff = BACKOFF_MIN_S
@@ -128,6 +148,15 @@ def up(config_path: str, overrides: list[str]) -> int:
     except ConfigError as err:
         print(f"strata: {err}", file=sys.stderr)
         return 2
+    try:
+        busy = live_stages(cfg)
+    except RuntimeDirError as err:
+        print(f"strata: {err}", file=sys.stderr)
+        return FATAL_STATUS
+    if busy:
+        print(f"strata: this box is already up: {', '.join(busy)} served by a live stage; stop it first",
+              file=sys.stderr)
+        return FATAL_STATUS
     prepare = stage_command(config_path, 0, overrides) + ["--prepare"]
     if subprocess.run(prepare, stdout=subprocess.DEVNULL).returncode != 0:
         print(f"strata: the model {cfg.model!r} could not be prepared", file=sys.stderr)
@@ -153,7 +182,7 @@ def up(config_path: str, overrides: list[str]) -> int:
             ended = sup.poll()
             if ended is not None:
                 status = ended.proc.returncode or 0
-                print(f"strata: the coordinator exited with status {status}; stopping the stages", file=sys.stderr)
+                print(f"strata: {ended.name} exited with status {status}; stopping the box", file=sys.stderr)
                 break
             time.sleep(POLL_S)
     finally:

@@ -12,7 +12,9 @@ Rules:
   stages cover every layer of the model exactly once, in order, and agree on the checkpoint fingerprint,
   the pool geometry (n_chunks, chunk_cells, table_chunks) and the config fingerprint (also the
   coordinator's own). The HELLO request carries a session id: a stage that sees a new session starts with
-  empty tables, so a restarted coordinator never inherits another one's tables.
+  empty tables, so a restarted coordinator never inherits another one's tables. HELLO proves the box key
+  (stages/ownership.py); a stage that serves another live coordinator refuses it, and start() fails with
+  that reason (after waiting out one predecessor that has just died).
 - Every step goes to every stage; only the last stage answers (RESULT). Any number of steps may be in
   flight; each has a future. Step ids increase within a session: the link assigns one when the header has
   none and refuses an id that does not increase (a stage uses the order to drop stale hidden states).
@@ -24,6 +26,9 @@ Rules:
   sends a snapshot with `send_ops(..., stage=index, snapshot=True)`), and when that returns the stage is up
   again. `stages_up` is only true for stages that are up; steps are refused while any stage is not.
 - An ERROR naming a step fails that step's future with StepFailed; the stage keeps serving.
+- A step past its deadline (coordinator/deadlines.py: from its size and the measured rate, with a floor of
+  `coordinator.step_timeout_ms`) marks the stage holding it down: every step in flight fails with StageDown
+  and the stage is resynchronised as after any other failure.
 - OPS carry `op_generations(ops)` when the scheduler sets it (`ChunkMap.generations_of`): the generation of
   every chunk the ops hand out, which a stage keeps in its pool file and reports in HELLO (`stage_hello`).
 - `ask(kind, headers)` sends one request per stage (SAVE, LOAD) on the same ordered streams, at once, and its
@@ -47,7 +52,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pool.config import Config
 from pool.logs import event
+from pool.runtime import box_key, token
 
+from .deadlines import StepClock
 from .handshake import LinkError, StageDown, StepFailed, check_hellos
 
 __all__ = ["LinkError", "StageDown", "StageLink", "StepFailed", "check_hellos"]
@@ -71,6 +78,7 @@ class _Peer:
     last_seen: float = 0.0
     last_hello: float = 0.0
     pong: dict = field(default_factory=dict)
+    refused_since: float = 0.0  # start(): when the stage first refused our HELLO because it has a live owner
 
 
 class StageLink:
@@ -79,12 +87,14 @@ class StageLink:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.session = uuid.uuid4().hex[:12]
+        self._hello_token = token(box_key(cfg.box.key_file), f"hello:{self.session}")
         self.on_stage_up: Callable[[int], Any] | None = None
         self.on_stage_down: Callable[[int, str], Any] | None = None
         self.op_generations: Callable[[list], list] | None = None
         self._ctx = zmq.asyncio.Context()
         self._peers = [_Peer(i, s.endpoint) for i, s in enumerate(cfg.stages)]
         self._inflight: dict[int, asyncio.Future] = {}
+        self.clock = StepClock(cfg.coordinator.step_timeout_ms / 1000)
         self._asks: dict[int, tuple[asyncio.Future, dict[int, dict]]] = {}  # req -> (future, DONE by stage)
         self._last_ask = 0
         self._last_step = -1
@@ -171,7 +181,7 @@ class StageLink:
     def _send_hello(self, p: _Peer) -> None:
         p.last_hello = time.monotonic()
         self._send(p, encode(HELLO, {"protocol": PROTOCOL, "session": self.session, "stage": p.index,
-                                     "config_fp": self.cfg.fingerprint()}))
+                                     "config_fp": self.cfg.fingerprint(), "box": self._hello_token}))
 
     def _send(self, p: _Peer, frames: list) -> None:
         fut = p.sock.send_multipart(frames, copy=False)
@@ -208,6 +218,9 @@ class StageLink:
 
     def _on_error(self, p: _Peer, header: dict) -> None:
         message = str(header.get("message", "unknown error"))
+        if header.get("hello_refused"):
+            self._on_refused(p, message, bool(header.get("owned")))
+            return
         if header.get("fatal"):
             if p.waiter is not None and not p.waiter.done():
                 p.waiter.set_exception(LinkError(f"stage {p.index} could not start: {message}"))
@@ -222,6 +235,22 @@ class StageLink:
             fut.set_exception(StepFailed(step, p.index, message))
         elif step is None:
             event(log, "stage.error", logging.WARNING, stage=p.index, message=message)
+
+    def _on_refused(self, p: _Peer, message: str, owned: bool) -> None:
+        """A stage refused our HELLO. At start: a key mismatch fails start() at once; a live owner is waited out
+        for two stage timeouts (a predecessor that just died stops being heard), asking again every
+        HELLO_RETRY_S, then fails it. Later (a rejoin): the stage stays down with the reason, asked again."""
+        if p.reason != message:
+            event(log, "stage.refused", logging.ERROR, stage=p.index, reason=message)
+        p.reason = message
+        if p.waiter is None or p.waiter.done():
+            return
+        now = time.monotonic()
+        p.refused_since = p.refused_since or now
+        if owned and now - p.refused_since < 2 * self.cfg.coordinator.stage_timeout_ms / 1000:
+            asyncio.get_running_loop().call_later(HELLO_RETRY_S, lambda: p.sock is not None and self._send_hello(p))
+            return
+        p.waiter.set_exception(LinkError(message))
 
     def _on_done(self, p: _Peer, header: dict) -> None:
         pending = self._asks.get(header.get("req"))
@@ -279,6 +308,7 @@ class StageLink:
         ping = encode(PING, {})
         while not self._closed:
             now = time.monotonic()
+            self._check_deadline(now)
             for p in self._peers:
                 if p.state != "down":
                     if now - p.last_seen > limit:
@@ -288,6 +318,19 @@ class StageLink:
                 elif now - p.last_hello > HELLO_RETRY_S:
                     self._send_hello(p)
             await asyncio.sleep(period)
+
+    def _check_deadline(self, now: float) -> None:
+        """The oldest step past its deadline (coordinator/deadlines.py): the stage holding it is marked down."""
+        late = self.clock.overdue(now)
+        if late is None:
+            return
+        step, limit, tokens = late
+        holder = next((p for p in self._peers if p.state == "up" and (p.pong.get("last_step") is None
+                                                                      or p.pong["last_step"] < step)), None)
+        holder = holder or self._peers[-1]
+        event(log, "step.overdue", logging.ERROR, stage=holder.index, step=step, limit_s=round(limit, 3), tokens=tokens)
+        self._mark_down(holder, f"step {step} ({tokens} tokens) passed its deadline of {limit:.1f} s")
+        self.clock.clear()
 
     def _fail_pending(self, err: Exception) -> None:
         """Every step and ask still waiting fails with `err`."""
@@ -338,7 +381,13 @@ class StageLink:
         self._last_step = sid
         fut = asyncio.get_running_loop().create_future()
         self._inflight[sid] = fut
-        fut.add_done_callback(lambda _f: self._inflight.pop(sid, None))
+        self.clock.submitted(sid, len(tokens), time.monotonic())
+
+        def done(f: asyncio.Future) -> None:
+            self._inflight.pop(sid, None)
+            self.clock.answered(sid, time.monotonic(), measure=not f.cancelled() and f.exception() is None)
+
+        fut.add_done_callback(done)
         ids = array.array("i", tokens)
         frames = encode(STEP, header, [RawTensor("int32", (len(ids),), memoryview(ids))])
         for p in self._peers:

@@ -30,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pool.config_load import ConfigError, apply_overrides, read_yaml
 from pool.endpoints import MAX_IPC_PATH, check_endpoint, same_host, tcp_host_port
+from pool.runtime import expand
 
 __all__ = [
-    "MAX_IPC_PATH", "Config", "ConfigError", "CoordinatorConfig", "EngineConfig", "StageConfig", "apply_overrides",
+    "MAX_IPC_PATH", "BoxConfig", "Config", "ConfigError", "CoordinatorConfig", "EngineConfig", "StageConfig", "apply_overrides",
     "config_from_dict", "default_config_path", "load_config", "read_yaml",
 ]
 
@@ -50,6 +51,8 @@ class CoordinatorConfig(_Strict):
     heartbeat_ms: int = Field(250, ge=10)
     stage_timeout_ms: int = Field(1500, ge=50)
     retry_after_s: int = Field(10, ge=1)
+    # The least time a step may be in flight before it is given up (coordinator/deadlines.py adds its size).
+    step_timeout_ms: int = Field(10000, ge=100)
 
     @field_validator("api_key")
     @classmethod
@@ -153,7 +156,7 @@ class StageConfig(_Strict):
     @field_validator("endpoint", "data_endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        return None if v is None else check_endpoint(v)
+        return None if v is None else check_endpoint(expand(v))  # ipc://{runtime}/x: the private runtime dir
 
     @property
     def data(self) -> str:
@@ -168,13 +171,27 @@ class StageConfig(_Strict):
 
 def _default_stages() -> list[StageConfig]:
     return [
-        StageConfig(device="cpu", layers=(0, 2), endpoint="ipc:///tmp/strata-stage-0"),
-        StageConfig(device="cpu", layers=(2, 4), endpoint="ipc:///tmp/strata-stage-1"),
+        StageConfig(device="cpu", layers=(0, 2), endpoint="ipc://{runtime}/stage-0"),
+        StageConfig(device="cpu", layers=(2, 4), endpoint="ipc://{runtime}/stage-1"),
     ]
+
+
+class BoxConfig(_Strict):
+    """What makes the processes of one box one box (pool/runtime.py): the key every HELLO proves it holds."""
+
+    key_file: str | None = None  # None: <runtime dir>/box.key, made on first use; several hosts: `strata keygen`
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_file(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("an empty key_file names no file; use null for the runtime directory's box.key")
+        return v
 
 
 class Config(_Strict):
     model: str = Field("tiny", min_length=1)
+    box: BoxConfig = Field(default_factory=BoxConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     stages: list[StageConfig] = Field(default_factory=_default_stages)
@@ -269,7 +286,7 @@ def _span(first: int, end: int) -> str:
     return f"layer {first} is" if end - first == 1 else f"layers {first}..{end - 1} are"
 
 
-_SECTIONS: dict[str, type[BaseModel]] = {"coordinator": CoordinatorConfig, "engine": EngineConfig, "stages": StageConfig}
+_SECTIONS: dict[str, type[BaseModel]] = {"box": BoxConfig, "coordinator": CoordinatorConfig, "engine": EngineConfig, "stages": StageConfig}
 
 
 _KEY_AT_START = re.compile(r"([a-z_]+(?:\.[a-z0-9_]+)*)")

@@ -40,13 +40,14 @@ import ctypes
 import mmap
 import os
 import re
+import secrets
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pool.pin import PinError, host_register, host_unregister
+from pool.runtime import open_private, pool_dir
 
 __all__ = [
     "ALIGN", "ARRAYS", "FORMAT_VERSION", "KV_DTYPES", "MAGIC", "SCALE_DTYPE", "PinError", "PoolLayout", "PoolMemory",
@@ -181,11 +182,11 @@ class PoolLayout:
 
 
 def default_path(name: str) -> Path:
-    """Where a pool file named `name` lives: /dev/shm (RAM-backed) when it exists, else the temp dir."""
+    """Where a pool file named `name` lives: the private pool directory (pool/runtime.py: /dev/shm/strata-<uid>,
+    RAM-backed, 0700)."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ValueError(f"pool file name {name!r}: use letters, digits, '.', '_' and '-'")
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    return base / f"strata-{name}"
+    return pool_dir() / f"strata-{name}"
 
 
 def _size_file(fd: int, nbytes: int) -> None:
@@ -218,13 +219,14 @@ class PoolMemory:
         """Make a fresh zero-filled file for `layout` at `path`, replacing any file there.
 
         A file already at `path` is replaced by rename, never truncated in place: a process that still maps
-        the old file keeps valid memory instead of taking SIGBUS.
+        the old file keeps valid memory instead of taking SIGBUS. The new file is made exclusively (O_EXCL,
+        O_NOFOLLOW, 0600) under a fresh name first, so nothing another user placed there is ever written.
         """
         if sys.byteorder != "little":
             raise RuntimeError("pool files are little-endian; this host is not")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = open_private(tmp, os.O_RDWR, create=True)
         try:
             _size_file(fd, layout.nbytes)
             mm = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -239,9 +241,10 @@ class PoolMemory:
 
     @classmethod
     def attach(cls, path: str | Path, layout: PoolLayout) -> PoolMemory:
-        """Map an existing file, refusing it (PoolMismatch naming the field) unless it is exactly `layout`'s."""
+        """Map an existing file, refusing it (PoolMismatch naming the field) unless it is exactly `layout`'s, and
+        (RuntimeDirError) unless it is a regular file of this user with mode 0600, opened without following a link."""
         path = Path(path)
-        fd = os.open(path, os.O_RDWR)
+        fd = open_private(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size < _FIXED.size:

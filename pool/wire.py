@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL = 2  # 2: SAVE/LOAD/DONE, generations in OPS and in the stage's HELLO
+PROTOCOL = 3  # 2: SAVE/LOAD/DONE, generations in OPS and in the stage's HELLO; 3: the box token in HELLO and HIDDEN
 
 HELLO, WELCOME, OPS, STEP, HIDDEN = "HELLO", "WELCOME", "OPS", "STEP", "HIDDEN"
 RESULT, ERROR, PING, PONG, BYE = "RESULT", "ERROR", "PING", "PONG", "BYE"

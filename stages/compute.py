@@ -66,7 +66,7 @@ class Compute(threading.Thread):
     """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
 
     def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int,
-                 next_data: str | None = None) -> None:
+                 next_data: str | None = None, hidden_token: str = "") -> None:
         super().__init__(name="stage-compute", daemon=True)
         self.build = build
         self.ctx = ctx
@@ -74,12 +74,14 @@ class Compute(threading.Thread):
         self.has_prev = index > 0
         self.has_next = index < n_stages - 1
         self.next_data = next_data  # the next stage's data endpoint (PUSH from this thread)
+        self.hidden_token = hidden_token  # proves to the next stage that a HIDDEN comes from this box
         self.items: queue.Queue = queue.Queue()
         self.hidden = Hidden()
         self.runner: Any = None
         self.session: str | None = None
         # Read by the I/O thread for every PONG; "kv_window" is replaced whole, never changed in place.
-        self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False, "kv_window": None}
+        self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False, "kv_window": None,
+                      "last_step": None}
 
     def run(self) -> None:
         out = self.ctx.socket(zmq.PAIR)
@@ -169,6 +171,14 @@ class Compute(threading.Thread):
         self._to_coord(ident, DONE, {"req": header.get("req"), "stage": self.index, "ms": ms, **reply})
 
     def _step(self, ident: bytes, header: dict, tensors: list, epoch: int) -> None:
+        """Run one step, whatever becomes of it; `last_step` (in PONG) then names it, so the coordinator can tell
+        which stage holds a step that is overdue (coordinator/deadlines.py)."""
+        try:
+            self._run_step(ident, header, tensors, epoch)
+        finally:
+            self.stats["last_step"] = header.get("step")
+
+    def _run_step(self, ident: bytes, header: dict, tensors: list, epoch: int) -> None:
         from .tensors import from_raw, to_raw
 
         sid = header.get("step")
@@ -185,6 +195,8 @@ class Compute(threading.Thread):
             if why is not None:
                 event(log, "step.dropped", logging.WARNING, stage=self.index, step=sid, why=why)
                 self._pass_error(sid, why)
+                if not self.has_next:  # the coordinator waits for this step's answer: it gets the reason
+                    self._to_coord(ident, ERROR, {"step": sid, "message": f"stage {self.index} dropped it: {why}"})
                 return
             hidden = from_raw(hidden_tensors[0])
         tokens = from_raw(tensors[0]) if tensors else None
@@ -199,7 +211,7 @@ class Compute(threading.Thread):
             self._window_stats()
         self.stats["steps_run"] += 1
         if self.has_next:
-            self._to_next(encode(HIDDEN, {"step": sid}, [to_raw(out)]))
+            self._to_next(encode(HIDDEN, {"step": sid, "box": self.hidden_token}, [to_raw(out)]))
         else:
             self._to_coord(ident, RESULT, {"step": sid, "tokens": out})
 
@@ -223,7 +235,7 @@ class Compute(threading.Thread):
 
     def _pass_error(self, sid: int, message: str) -> None:
         if self.has_next:
-            self._to_next(encode(HIDDEN, {"step": sid, "error": message}))
+            self._to_next(encode(HIDDEN, {"step": sid, "error": message, "box": self.hidden_token}))
 
     def _to_next(self, frames: list) -> None:
         try:

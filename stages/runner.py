@@ -36,6 +36,7 @@ import torch
 from pool.chunk_map import TableMirror, region
 from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
+from pool.runtime import Hold, hold, private_dir
 from pool.snapshot import SnapshotError, part_path, snapshot_fingerprint
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
@@ -127,7 +128,7 @@ class StageRunner:
                             self.model.head_dim, self.kv_dtype)
         # The pool file is the K/V's home on every device: mapped here, pinned on CUDA, re-attached after a crash.
         path = Path(pool_path) if pool_path else default_path(f"{self.config_fp}-stage{index}")
-        self.memory, self.reattached = _open_pool(path, layout)
+        self.memory, self.reattached, self._pool_lock = _open_pool(path, layout)
         self.pinned = self.device.type == "cuda" and self.memory.pin(self.device.index)
 
         def storage(layer: int, which: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -326,14 +327,22 @@ class StageRunner:
             if unlink:
                 self.memory.unlink()
             self.memory = None
+            self._pool_lock.release()  # a lock file is never removed: a waiter could hold its inode
 
 
-def _open_pool(path: Path, layout: PoolLayout) -> tuple[PoolMemory, bool]:
-    """Re-attach the file a crashed stage left when its layout matches; otherwise make a fresh one."""
-    if path.exists():
-        try:
-            return PoolMemory.attach(path, layout), True
-        except PoolMismatch:
-            pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return PoolMemory.create(path, layout), False
+def _open_pool(path: Path, layout: PoolLayout) -> tuple[PoolMemory, bool, Hold]:
+    """Lock the pool file (`<path>.lock`: InUse while a live stage has it), then re-attach the file a crashed stage
+    left when its layout matches, otherwise make a fresh one. A file that is not private (another user's, not
+    0600, a symlink) is refused, never replaced."""
+    private_dir(path.parent)
+    lock = hold(path.with_name(path.name + ".lock"), f"pool file {path}")
+    try:
+        if os.path.lexists(path):
+            try:
+                return PoolMemory.attach(path, layout), True, lock
+            except PoolMismatch:
+                pass
+        return PoolMemory.create(path, layout), False, lock
+    except BaseException:
+        lock.release()
+        raise

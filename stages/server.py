@@ -33,7 +33,10 @@ Rules:
   waiting.
 - SIGTERM or SIGINT ends the loop cleanly: the compute thread stops, sockets close, bound ipc socket files
   and the pool file are removed. A crash leaves the pool file for the restarted stage to re-attach.
-- Stale ipc socket files (a crashed stage's) are removed before binding.
+- A stage holds `<socket>.lock` beside each ipc socket it binds (pool/runtime.py), in a private directory: a
+  second stage for a live stage's endpoint exits at once (status 2) without touching its socket or its pool
+  file; a stale socket file (a crashed stage's, whose lock the kernel dropped) is removed before binding.
+  The pool file has its own lock (stages/runner.py), for a second stage started with `--pool-path`.
 """
 from __future__ import annotations
 
@@ -50,9 +53,11 @@ from typing import Any
 import zmq
 
 from pool.config import Config, ConfigError, load_config
+from pool.runtime import Hold, InUse, RuntimeDirError, box_key, hold, private_dir, same_token
 from pool.logs import event, setup_logging
 
 from .compute import Compute
+from .ownership import Ownership
 from pool.wire import BYE, ERROR, HELLO, HIDDEN, LOAD, OPS, PING, PONG, SAVE, STEP, WireError, decode, encode
 
 log = logging.getLogger("strata.stage")
@@ -60,13 +65,27 @@ log = logging.getLogger("strata.stage")
 FATAL_GRACE_S = 5.0  # how long a stage that failed to build waits for a coordinator to tell
 
 
-def _bind(sock: zmq.Socket, endpoint: str, bound: list[Path]) -> None:
+class EndpointBusy(RuntimeError):
+    """An endpoint this stage should bind is another live process's (or not private); nothing was touched."""
+
+
+def _bind(sock: zmq.Socket, endpoint: str, bound: list[Path], locks: list[Hold], what: str) -> None:
+    """Bind `endpoint`. ipc: its directory must be private, and `<path>.lock` is held for the stage's life, so a
+    second stage for the same endpoint fails here (EndpointBusy) before touching the live one's socket file; only
+    a socket file nobody holds (a crashed stage's) is removed. tcp: an address in use is EndpointBusy too."""
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            private_dir(path.parent)
+            locks.append(hold(path.with_name(path.name + ".lock"), f"{what} {endpoint}"))
+        except (InUse, RuntimeDirError) as err:
+            raise EndpointBusy(str(err)) from None
         path.unlink(missing_ok=True)  # a crashed stage's socket file; connecting to it would hang
         bound.append(path)
-    sock.bind(endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as err:
+        raise EndpointBusy(f"{what} {endpoint} cannot be bound: {err}") from None
 
 
 class StageServer:
@@ -76,8 +95,10 @@ class StageServer:
         self.cfg = cfg
         self.index = index
         self.stop = threading.Event()
+        self.owners = Ownership(box_key(cfg.box.key_file), index, cfg.coordinator.stage_timeout_ms / 1000)
         self.ctx = zmq.Context()
         self.bound: list[Path] = []
+        self.locks: list[Hold] = []
         stage = cfg.stages[index]
         # No high-water marks: a send never blocks the I/O thread nor drops a frame; a peer that stops
         # reading is the link's to detect (heartbeat), not this loop's.
@@ -85,12 +106,16 @@ class StageServer:
         self.results = self.ctx.socket(zmq.PAIR)
         self.results.bind("inproc://stage-results")
         self.pull = self._socket(zmq.PULL) if index > 0 else None
-        _bind(self.router, stage.endpoint, self.bound)
-        if self.pull is not None:
-            _bind(self.pull, stage.data, self.bound)
+        try:
+            _bind(self.router, stage.endpoint, self.bound, self.locks, f"stage {index}'s endpoint")
+            if self.pull is not None:
+                _bind(self.pull, stage.data, self.bound, self.locks, f"stage {index}'s data endpoint")
+        except EndpointBusy:
+            self._release()
+            raise
         next_data = cfg.stages[index + 1].data if index < len(cfg.stages) - 1 else None
-        self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data)
-        self.peer: bytes | None = None  # the coordinator's identity, once it has said anything
+        self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data, self.owners.hidden_token)
+        self.peer: bytes | None = None  # the coordinator's identity, once its HELLO was accepted
         self.fatal: str | None = None
         self.ready = False
 
@@ -139,12 +164,23 @@ class StageServer:
     def _from_coord(self) -> None:
         for frames in _waiting(self.router):
             ident = frames[0].bytes
-            self.peer = ident
             try:
                 kind, header, tensors = decode(frames[1:])
             except WireError as err:
-                self.router.send_multipart([ident, *encode(ERROR, {"message": f"malformed message: {err}"})])
+                event(log, "coord.malformed", logging.WARNING, stage=self.index, message=str(err))
+                if ident == self.owner:
+                    self.router.send_multipart([ident, *encode(ERROR, {"message": f"malformed message: {err}"})])
                 continue
+            if kind == HELLO:
+                refusal = self.owners.hello(ident, header, time.monotonic())
+                if refusal is not None:
+                    self.router.send_multipart([ident, *encode(ERROR, refusal)])
+                    continue
+                self.peer = ident
+            elif not self.owners.heard(ident, time.monotonic()):
+                event(log, "coord.refused", logging.WARNING, stage=self.index, kind=kind,
+                      reason="not from the coordinator this stage serves (no accepted HELLO)")
+                continue  # a peer that has not proved it is this box's coordinator gets nothing
             if kind == PING:
                 runner = self.compute.runner
                 pong = {"version": runner.version if runner is not None else None, "ready": self.ready,
@@ -152,6 +188,7 @@ class StageServer:
                 self.router.send_multipart([ident, *encode(PONG, pong)])
             elif kind == BYE:
                 event(log, "stage.bye", stage=self.index, session=header.get("session"))
+                self.owners.bye(ident)
             elif kind in (HELLO, OPS, STEP, SAVE, LOAD):
                 if kind == HELLO:  # the coordinator has given up on every step it sent before
                     self.compute.hidden.abandon()
@@ -159,6 +196,10 @@ class StageServer:
                     self.compute.items.put((kind, ident, header, tensors, self.compute.hidden.epoch))
             else:
                 self.router.send_multipart([ident, *encode(ERROR, {"message": f"a stage does not take {kind}"})])
+
+    @property
+    def owner(self) -> bytes | None:
+        return self.owners.ident
 
     def _from_prev(self) -> None:
         for frames in _waiting(self.pull):
@@ -168,6 +209,10 @@ class StageServer:
                     raise WireError(f"expected HIDDEN with a step id, got {kind}")
             except WireError as err:
                 event(log, "hidden.malformed", logging.WARNING, stage=self.index, message=str(err))
+                continue
+            if not same_token(header.get("box"), self.owners.hidden_token):
+                event(log, "hidden.refused", logging.WARNING, stage=self.index, step=header["step"],
+                      reason="not from a stage of this box (box token)")
                 continue
             self.compute.hidden.put(header["step"], header, tensors)
 
@@ -180,9 +225,16 @@ class StageServer:
             self.compute.join(timeout=10)
         if self.compute.runner is not None and not self.compute.is_alive():
             self.compute.runner.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Close the sockets, remove the ipc files this stage bound, then drop their locks."""
         self.ctx.destroy(linger=0)
-        for path in self.bound:
+        for path in self.bound:  # only what this stage bound, while it still holds the locks
             path.unlink(missing_ok=True)
+        for lock in self.locks:
+            lock.release()
+        self.bound, self.locks = [], []
 
 
 def _waiting(sock: zmq.Socket) -> Iterator[list]:
@@ -200,7 +252,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="box YAML (default: the embedded cpu-tiny config)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set engine.kv_pool_tokens=8192")
-    p.add_argument("--pool-path", default=None, help="pool file (default: /dev/shm/strata-<config>-stage<N>)")
+    p.add_argument("--pool-path", default=None, help="pool file (default: /dev/shm/strata-<uid>/strata-<config>-stage<N>)")
     p.add_argument("--prepare", action="store_true",
                    help="only make sure the model exists (builds the embedded 'tiny' model), then exit")
     return p.parse_args(argv)
@@ -224,7 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         print(resolve_model_dir(cfg.model))
         return 0
-    server = StageServer(cfg, args.device, lambda: StageRunner(cfg, args.device, pool_path=args.pool_path))
+    try:
+        server = StageServer(cfg, args.device, lambda: StageRunner(cfg, args.device, pool_path=args.pool_path))
+    except EndpointBusy as err:
+        print(f"strata-stage: {err}; nothing was changed there", file=sys.stderr)
+        return 2
+    except RuntimeDirError as err:
+        print(f"strata-stage: {err}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop.set())
     try:

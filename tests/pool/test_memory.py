@@ -267,7 +267,9 @@ def test_close_unlink_and_context_manager(pool_path: Path) -> None:
 def test_default_path() -> None:
     path = default_path("stage-0")
     assert path.name == "strata-stage-0"
-    if os.path.isdir("/dev/shm"):
-        assert path.parent == Path("/dev/shm")
+    if os.path.isdir("/dev/shm") and not os.environ.get("STRATA_POOL_DIR"):
+        assert path.parent == Path(f"/dev/shm/strata-{os.geteuid()}")
+        st = path.parent.stat()
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
     with pytest.raises(ValueError, match="pool file name"):
         default_path("../etc")

@@ -108,6 +108,14 @@ def test_held_conversations_survive_a_killed_stage_and_continue_identically(box,
 
     got_a, got_b = front.chat(turn2(A, a1)), front.chat(turn2(B, b1))
     assert got_a == want_a and got_b == want_b  # text, tokens and cached prefix
+    if window:  # the window's counters (from the stages' next PONG): both streamed, the re-attached one too
+        deadline = time.monotonic() + 5
+        windows = front.live()["kv_window"]
+        while not all(s["streamed_steps"] > 0 for s in windows):
+            assert time.monotonic() < deadline, windows
+            time.sleep(0.1)
+            windows = front.live()["kv_window"]
+        assert [s["frames"] for s in windows] == [2, 2], windows
 
     # Again, but the pool file is gone before the restart: a fresh file's generations vouch for nothing.
     pid = front.stage_pid(1)
@@ -121,6 +129,3 @@ def test_held_conversations_survive_a_killed_stage_and_continue_identically(box,
     assert all(s == ("free", 0) for s in held(front)), held(front)
     cold = front.chat(turn2(A, a1))
     assert cold["cached"] == 0 and cold["text"] == want_a["text"], (cold, want_a)
-    if window:
-        stages = front.live()["kv_window"]  # the window's counters: it did stream (2 frames, longer conversations)
-        assert [s["frames"] for s in stages] == [2, 2] and all(s["streamed_steps"] > 0 for s in stages), stages
