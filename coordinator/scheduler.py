@@ -119,7 +119,8 @@ class Scheduler:
         if len(req.prompt) + req.max_tokens > self.max_context:
             raise EngineError.context_length(len(req.prompt), req.max_tokens, self.max_context)
         if not all(self.link.stages_up):
-            raise EngineError.stage_down("a stage is down; retry when /health is ok")
+            raise EngineError.stage_down("a stage is down; retry when /health is ok",
+                                         retry_after=self.cfg.coordinator.retry_after_s)
         if len(self.waiting) >= self.cfg.engine.max_waiting:
             self._refused("queue_full")
             raise EngineError.queue_full(self.cfg.coordinator.retry_after_s)
@@ -265,7 +266,7 @@ class Scheduler:
     @staticmethod
     def _step_error(err: Exception, step: int) -> EngineError:
         if isinstance(err, StageDown):
-            return EngineError.stage_down(str(err))
+            return EngineError.stage_down(str(err), retry_after=self.cfg.coordinator.retry_after_s)
         if isinstance(err, StepFailed):  # the stage is fine; this step's work failed there
             return EngineError(500, "step_failed", str(err))
         log.error("step %s failed: %r", step, err)
@@ -344,7 +345,8 @@ class Scheduler:
     def _stage_down(self, index: int, reason: str) -> None:
         """Running and waiting requests fail; idle held conversations wait for the stage to come back, when
         `_stage_up` keeps the ones its pool file still holds."""
-        err = EngineError.stage_down(f"stage {index} is down: {reason}")
+        err = EngineError.stage_down(f"stage {index} is down: {reason}",
+                                     retry_after=self.cfg.coordinator.retry_after_s)
         for job in [j for j in self.jobs if j is not None]:
             self._fail(job, err)
         for job in self.waiting:

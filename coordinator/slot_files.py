@@ -3,11 +3,15 @@
 The coordinator writes and reads the tokens part (`<slot_save_path>/<name>`); each stage its own K/V part
 (`<name>.stage<i>`), asked with SAVE / LOAD on the ordered stream (pool/snapshot.py has the format).
 
-Save (an idle slot holding a conversation):
+Save (an idle slot holding a conversation), all or nothing (pool/snapshot.py rules):
   1. pin the slot (no admission uses it), send pending ops, then SAVE {name, save_id, version, table, cells} to
-     every stage: each stage writes the cells the steps before it wrote, read through the slot's table;
-  2. when every stage has answered ok, write the tokens part (last, so a complete tokens part means the stages'
-     parts were written; parts of a failed save are never paired with another save's: save_id).
+     every stage: each stage writes the cells the steps before it wrote, read through the slot's table, to its
+     part of this save (`<name>.<save_id>.stage<i>`), beside the previous save's parts;
+  2. when every stage has answered ok, write the tokens part, which names the save id: the switch. Then every
+     stage removes its parts of other saves of that name (SAVE {tidy: "others"}).
+  If a stage or the tokens part fails, the stages remove this save's parts (SAVE {tidy: "this"}) and the
+  previous snapshot of that name is still whole. A full disk (ENOSPC, EDQUOT, EFBIG) is a 507
+  `insufficient_storage`; other write errors a 500.
 Restore (an idle slot):
   1. read and check the tokens part (model, config, kv dtype, number of stages, hash): a refusal is a 400 and
      changes nothing;
@@ -22,12 +26,17 @@ a stage down 503 `stage_down`.
 """
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pool.snapshot import SnapshotError, check_name, part_path, read_tokens, snapshot_fingerprint, write_tokens
+from pool.logs import event
+from pool.snapshot import (SnapshotError, check_name, check_save_id, part_path, read_tokens, snapshot_fingerprint,
+                           write_tokens)
 from pool.wire import LOAD, SAVE
 
 from .conversations import Conversation
@@ -36,6 +45,8 @@ from .link import StageDown
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+log = logging.getLogger("strata.coord")
 
 
 def _directory(sched: Scheduler) -> Path:
@@ -62,19 +73,39 @@ def _fields(sched: Scheduler) -> dict:
             "kv_dtype": hello.get("pool", {}).get("kv_dtype")}
 
 
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _storage(message: str, code: int | None) -> EngineError:
+    """507 `insufficient_storage` for a full disk or a file size limit; 500 for any other write error."""
+    if code in STORAGE_ERRNOS:
+        return EngineError(507, "insufficient_storage", f"{message}; the previous snapshot of that name is kept",
+                           type="server_error")
+    return EngineError.internal(message)
+
+
 async def _ask(sched: Scheduler, kind: str, header: dict) -> list[dict]:
     """Every stage's DONE for `header`; the first failure as an EngineError."""
     try:
         answers = await sched.link.ask(kind, [header] * len(sched.cfg.stages))
     except StageDown as err:
-        raise EngineError.stage_down(str(err)) from None
+        raise EngineError.stage_down(str(err), retry_after=sched.cfg.coordinator.retry_after_s) from None
     for a in answers:
         if not a.get("ok"):
             message = f"stage {a.get('stage')}: {a.get('message')}"
             if a.get("refused"):
                 raise EngineError.invalid(message, param="filename")
-            raise EngineError.internal(message)
+            raise _storage(message, a.get("errno"))
     return answers
+
+
+async def _tidy(sched: Scheduler, name: str, save_id: str, which: str) -> None:
+    """Ask every stage to remove its parts of other saves (`which="others"`) or of this one; a failure is only
+    logged: leftover parts cost disk, never correctness (a manifest names exactly one save)."""
+    try:
+        await _ask(sched, SAVE, {"name": name, "save_id": save_id, "tidy": which})
+    except EngineError as err:
+        event(log, "session_file.tidy_failed", logging.WARNING, file=name, which=which, message=err.message)
 
 
 def _ms(t0: float) -> float:
@@ -92,12 +123,18 @@ async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     sched.pinned.add(slot)
     try:
         sched.send_ops()
-        answers = await _ask(sched, SAVE, {"name": name, "save_id": save_id, "version": sched.map.version,
-                                           "table": slot, "cells": len(tokens)})
         try:
-            nbytes = write_tokens(part_path(directory, name), {**_fields(sched), "save_id": save_id}, tokens)
-        except OSError as err:
-            raise EngineError.internal(f"{name}: {err}") from None
+            answers = await _ask(sched, SAVE, {"name": name, "save_id": save_id, "version": sched.map.version,
+                                               "table": slot, "cells": len(tokens)})
+            try:
+                nbytes = write_tokens(part_path(directory, name), {**_fields(sched), "save_id": save_id}, tokens)
+            except OSError as err:
+                raise _storage(f"{name}: {os.strerror(err.errno) if err.errno else err}", err.errno) from None
+        except EngineError as err:
+            if err.code != "stage_down":
+                await _tidy(sched, name, save_id, "this")
+            raise
+        await _tidy(sched, name, save_id, "others")
     finally:
         sched.pinned.discard(slot)
         sched._wake.set()
@@ -115,6 +152,10 @@ async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     except SnapshotError as err:
         raise EngineError.invalid(str(err), param="filename") from None
     n = len(tokens)
+    try:
+        check_save_id(header["save_id"])
+    except SnapshotError as err:
+        raise EngineError.invalid(f"{name}: {err}", param="filename") from None
     if not 0 < n <= sched.max_context:
         raise EngineError.invalid(f"{name} holds {n} tokens; this server's max_context is {sched.max_context}",
                                   param="filename")

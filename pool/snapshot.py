@@ -1,7 +1,7 @@
 """Session snapshots: one held conversation in files, so it can come back after an erase or a restart (no torch).
 
-    <slot_save_path>/<name>            the coordinator's part: the tokens
-    <slot_save_path>/<name>.stage<i>   stage i's part: the K/V of its layers for cells [0, n_tokens)
+    <slot_save_path>/<name>                     the coordinator's part: the tokens, and the save id (a manifest)
+    <slot_save_path>/<name>.<save id>.stage<i>  stage i's part of that save: the K/V of its layers, cells [0, n_tokens)
 
 Each process writes and reads only its own part, in the one directory `engine.slot_save_path` (every process
 has the same config, so the same path): stages on another host need that path mounted there too.
@@ -28,8 +28,13 @@ Payloads:
 Rules:
 - Names (`check_name`): letters, digits, '.', '_' and '-', at most 128, not starting with '.', no "..", not
   ending in ".stage<N>" (the stages' parts). Nothing else is accepted, so a name never leaves the directory.
-- A part is written under a temporary name in the same directory and renamed when complete: a crash mid-save
-  never leaves a part under its final name. The header goes out first with a placeholder hash of the same
+- A part is written under a temporary name made by `mkstemp` in the same directory (exclusive, 0600) and
+  renamed when complete: a crash mid-save never leaves a part under its final name. Parts are opened for
+  reading with O_NOFOLLOW and only as regular files; no message quotes a file's bytes.
+- A save is all or nothing across processes: the stages' parts go under the new save id, beside the previous
+  save's; the tokens part, written last, names the save id and so switches the snapshot to the new parts at
+  once. A save that fails anywhere before that leaves the previous snapshot whole (its manifest still names
+  its own parts); the parts of other save ids are removed afterwards (`other_parts`). The header goes out first with a placeholder hash of the same
   length and is rewritten once the payload is out, so K/V streams from the pool to the file without being
   gathered in memory first. No fsync: a snapshot is meant to outlive processes, not power loss.
 - Reading checks, in order: magic, format version, header, the file size (truncated or with extra bytes),
@@ -40,11 +45,14 @@ Rules:
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,8 @@ _PREFIX = struct.Struct("<8sII")
 _PLACEHOLDER = "0" * 64  # a sha256 in hex has the same length, so the header keeps its size
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _STAGE_SUFFIX = re.compile(r"\.stage\d+$")
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
+_SHOWN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _REQUIRED = {"part": str, "save_id": str, "model_fp": str, "config_fp": str, "kv_dtype": str, "n_stages": int,
              "n_tokens": int, "payload_nbytes": int, "payload_sha256": str}
 _WHY = {
@@ -83,10 +93,40 @@ def check_name(name: Any) -> str:
     return name
 
 
-def part_path(directory: str | Path, name: str, stage: int | None = None) -> Path:
-    """The coordinator's part (`stage=None`) or stage `stage`'s part of snapshot `name` in `directory`."""
+def check_save_id(save_id: Any) -> str:
+    """`save_id` if it is one (32 lowercase hex digits, as `uuid4().hex`); SnapshotError otherwise."""
+    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise SnapshotError("the save id is not 32 hex digits (a corrupt tokens part?)")
+    return save_id
+
+
+def part_path(directory: str | Path, name: str, stage: int | None = None, save_id: str | None = None) -> Path:
+    """The coordinator's part (`stage=None`) or stage `stage`'s part of save `save_id` of snapshot `name`."""
     check_name(name)
-    return Path(directory) / (name if stage is None else f"{name}.stage{stage}")
+    if stage is None:
+        return Path(directory) / name
+    return Path(directory) / f"{name}.{check_save_id(save_id)}.stage{stage}"
+
+
+def other_parts(directory: str | Path, name: str, stage: int, keep: str) -> list[Path]:
+    """Stage `stage`'s parts of snapshot `name` that belong to a save other than `keep` (to be removed)."""
+    check_name(name)
+    pattern = re.compile(re.escape(name) + r"\.([0-9a-f]{32})\.stage" + str(stage))
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [Path(directory) / e for e in entries if (m := pattern.fullmatch(e)) and m.group(1) != keep]
+
+
+def _shown(value: Any, quote: bool) -> str:
+    """A header value fit for an error message: a number, None, or a short plain word (quoted with `quote`);
+    anything else is not shown."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str) and _SHOWN.fullmatch(value):
+        return repr(value) if quote else value
+    return "(not shown)"
 
 
 def snapshot_fingerprint(dtype: str, kv_dtype: str, layers: list[list[int]]) -> str:
@@ -105,12 +145,17 @@ class PartWriter:
     def __init__(self, path: str | Path, header: dict, payload_nbytes: int) -> None:
         self.path = Path(path)
         self.header = {**header, "payload_nbytes": payload_nbytes, "payload_sha256": _PLACEHOLDER}
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._hash = hashlib.sha256()
         self._nbytes = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self._tmp, "wb")
-        self._file.write(self._prefix_and_header())
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)  # 0600, O_EXCL
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+        try:
+            self._file.write(self._prefix_and_header())
+        except BaseException:
+            self.abort()
+            raise
 
     def _prefix_and_header(self) -> bytes:
         packed = msgpack.packb(self.header, use_bin_type=True)
@@ -136,9 +181,14 @@ class PartWriter:
         return len(final) + self._nbytes
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        """Drop the unfinished part: the temporary file goes even when closing it fails (a full disk)."""
+        try:
+            if not self._file.closed:
+                self._file.close()
+        except OSError:
+            pass
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> PartWriter:
         return self
@@ -156,9 +206,17 @@ class PartReader:
         self.path = Path(path)
         name = self.path.name
         try:
-            self._file = open(self.path, "rb")
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SnapshotError(f"{name}: no such snapshot file") from None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise SnapshotError(f"{name} is a symlink; snapshots are read only from regular files") from None
+            raise SnapshotError(f"{name}: cannot be read ({os.strerror(err.errno)})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SnapshotError(f"{name} is not a regular file")
+        self._file = os.fdopen(fd, "rb")
         try:
             self.header, offset = self._read_header(name)
             self.nbytes = os.fstat(self._file.fileno()).st_size
@@ -179,7 +237,7 @@ class PartReader:
             raise SnapshotError(f"{name} is truncated: {len(prefix)} bytes, too short for a snapshot header")
         magic, version, header_nbytes = _PREFIX.unpack(prefix)
         if magic != MAGIC:
-            raise SnapshotError(f"{name}: bad magic {magic!r}, not a Strata snapshot (expected {MAGIC!r})")
+            raise SnapshotError(f"{name}: bad magic, not a Strata snapshot (expected {MAGIC!r})")
         if version != FORMAT_VERSION:
             raise SnapshotError(f"{name}: format version {version}, this server reads version {FORMAT_VERSION}")
         raw = self._file.read(header_nbytes)
@@ -201,8 +259,10 @@ class PartReader:
         for key, value in want.items():
             have = self.header.get(key)
             if have != value:
-                why = _WHY.get(key, "{key} is {have!r} in the file, expected {want!r}")
-                raise SnapshotError(f"{self.path.name}: refused, " + why.format(key=key, have=have, want=value))
+                quote = key not in _WHY
+                why = _WHY.get(key, "{key} is {have} in the file, expected {want}")
+                raise SnapshotError(f"{self.path.name}: refused, " + why.format(key=key, have=_shown(have, quote),
+                                                                                 want=_shown(value, quote)))
 
     def read_into(self, buffer: Any) -> None:
         """Fill `buffer` (writable, C-contiguous) with the next payload bytes."""

@@ -163,7 +163,8 @@ class Compute(threading.Thread):
             level = logging.WARNING if isinstance(err, SnapshotError) else logging.ERROR
             event(log, "session_file.failed", level, stage=self.index, kind=kind, file=header.get("name"),
                   message=str(err))
-            reply = {"ok": False, "message": str(err), "refused": isinstance(err, SnapshotError)}
+            reply = {"ok": False, "message": str(err), "refused": isinstance(err, SnapshotError),
+                     "errno": getattr(err, "errno", None)}
         ms = round((time.perf_counter() - t0) * 1000, 3)
         if reply["ok"]:
             event(log, "session_file.done", stage=self.index, kind=kind, file=header.get("name"),

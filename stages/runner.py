@@ -37,7 +37,7 @@ from pool.chunk_map import TableMirror, region
 from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
 from pool.runtime import Hold, hold, private_dir
-from pool.snapshot import SnapshotError, part_path, snapshot_fingerprint
+from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, snapshot_fingerprint
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
@@ -251,7 +251,7 @@ class StageRunner:
                   "config_fp": snapshot_fingerprint(e.dtype, e.kv_dtype, [s.layers for s in self.cfg.stages]),
                   "kv_dtype": self.kv_dtype, "stage": self.index, "layers": [self.first, self.last],
                   "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim, "arrays": arrays_of(self.kv)}
-        return part_path(directory, req["name"], self.index), cells, fields
+        return part_path(directory, req["name"], self.index, req["save_id"]), cells, fields
 
     def _check_version(self, req: dict) -> None:
         if req.get("version") != self.mirror.version:
@@ -259,7 +259,21 @@ class StageRunner:
                             f"applied ops up to version {self.mirror.version}")
 
     def save_session(self, req: dict) -> int:
-        """SAVE {name, save_id, version, table, cells}: write this stage's part; returns its bytes."""
+        """SAVE {name, save_id, version, table, cells}: write this stage's part of that save; returns its bytes.
+        SAVE {name, save_id, tidy: "others" | "this"} removes this stage's parts of the other saves of that name
+        (after the switch) or of this one (a save that failed elsewhere); returns 0 (pool/snapshot.py rules)."""
+        tidy = req.get("tidy")
+        if tidy is not None:
+            directory, name, save_id = self.cfg.engine.slot_save_path, req["name"], check_save_id(req["save_id"])
+            if not directory:
+                raise SnapshotError("session files are disabled on this stage (engine.slot_save_path is not set)")
+            if tidy == "others":
+                doomed = other_parts(directory, name, self.index, keep=save_id)
+            else:
+                doomed = [part_path(directory, name, self.index, save_id)]
+            for path in doomed:
+                path.unlink(missing_ok=True)
+            return 0
         path, cells, fields = self._part(req)
         self._check_version(req)
         return save_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields)

@@ -31,7 +31,10 @@ def test_bad_names_are_refused(name: object, why: str) -> None:
 
 def test_part_paths_stay_in_the_directory(tmp_path: Path) -> None:
     assert part_path(tmp_path, "c") == tmp_path / "c"
-    assert part_path(tmp_path, "c", 1) == tmp_path / "c.stage1"
+    assert part_path(tmp_path, "c", 1, "f" * 32) == tmp_path / f"c.{'f' * 32}.stage1"
+    for bad in (None, "x", "../" + "f" * 29, "F" * 32):
+        with pytest.raises(SnapshotError, match="not 32 hex digits"):
+            part_path(tmp_path, "c", 1, bad)
     with pytest.raises(SnapshotError):
         part_path(tmp_path, "../c")
 

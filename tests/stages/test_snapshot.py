@@ -2,6 +2,7 @@
 table and any chunk size, damaged parts refused before a byte is written, generations kept per session."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -127,25 +128,36 @@ def test_save_and_restore_go_through_the_mirror_and_refuse_stale_versions(model_
     try:
         r.apply(["set", 1, 0, [[0, 2], [1, 6]]])
         fill(r.kv, 4)
-        req = {"name": "c", "save_id": "x", "version": 1, "table": 0, "cells": 20}
+        x, y = "a" * 32, "b" * 32
+        req = {"name": "c", "save_id": x, "version": 1, "table": 0, "cells": 20}
         nbytes = r.save_session(req)
-        assert (tmp_path / "saves" / "c.stage0").stat().st_size == nbytes
+        saves = tmp_path / "saves"
+        assert (saves / f"c.{x}.stage0").stat().st_size == nbytes
         with pytest.raises(StaleStep, match="needs table version 0"):
             r.save_session({**req, "version": 0})
         assert r.restore_session({**req, "check": True}) == nbytes
+        with pytest.raises(SnapshotError, match="no such snapshot file"):
+            r.restore_session({**req, "save_id": y, "check": True})
+        with pytest.raises(SnapshotError, match="not 32 hex digits"):
+            r.restore_session({**req, "save_id": "../../etc", "check": True})
+        shutil.copy(saves / f"c.{x}.stage0", saves / f"c.{y}.stage0")
         with pytest.raises(SnapshotError, match="another save"):
-            r.restore_session({**req, "save_id": "y", "check": True})
+            r.restore_session({**req, "save_id": y, "check": True})
+        assert r.save_session({"name": "c", "save_id": x, "tidy": "others"}) == 0  # the other save's part goes
+        assert sorted(p.name for p in saves.iterdir()) == [f"c.{x}.stage0"]
         r.apply(["set", 2, 5, [[0, 4], [1, 1]]])  # a parked table
         r.restore_session({**req, "version": 2, "table": 5})
         for want, got in zip(cells(r.kv, [2, 6], 20), cells(r.kv, [4, 1], 20)):
             assert torch.equal(want, got)
         with pytest.raises(SnapshotError, match="1..max_context=64"):
             r.restore_session({**req, "cells": 65, "check": True})
+        r.save_session({"name": "c", "save_id": x, "tidy": "this"})  # a save that failed on another stage
+        assert list(saves.iterdir()) == []
     finally:
         r.close()
     off = StageRunner(runner_cfg(model_dir, None), 0, pool_path=tmp_path / "pool2")
     try:
         with pytest.raises(SnapshotError, match="slot_save_path is not set"):
-            off.save_session({"name": "c", "save_id": "x", "version": 0, "table": 0, "cells": 4})
+            off.save_session({"name": "c", "save_id": "a" * 32, "version": 0, "table": 0, "cells": 4})
     finally:
         off.close()

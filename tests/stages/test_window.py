@@ -145,7 +145,7 @@ def test_moves_and_evictions_through_the_window(local, ranges, pool, kv_dtype):
 
 
 def session_request(m: Local, table: int, cells: int, **extra: object) -> dict:
-    return {"name": "a", "save_id": "s1", "version": m.map.version, "table": table, "cells": cells, **extra}
+    return {"name": "a", "save_id": "5" * 32, "version": m.map.version, "table": table, "cells": cells, **extra}
 
 
 def restore_over_a_reused_chunk(m: Local) -> list[int]:

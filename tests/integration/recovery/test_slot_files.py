@@ -48,9 +48,22 @@ def enable_saves(b) -> Path:
     return saves
 
 
+def save_id(saves: Path, name: str) -> str:
+    """The save id the tokens part (the manifest) of snapshot `name` names."""
+    with PartReader(saves / name) as r:
+        return r.header["save_id"]
+
+
+def part(saves: Path, name: str, stage: int, of: str | None = None) -> Path:
+    """Stage `stage`'s part of snapshot `name`, as its manifest (or snapshot `of`'s) names it."""
+    return saves / f"{name}.{save_id(saves, of or name)}.stage{stage}"
+
+
 def copy_save(saves: Path, src: str, dst: str, parts: tuple = (None, 0, 1)) -> None:
+    """Snapshot `src` under the name `dst`: its manifest, and its stages' parts under that save id."""
+    sid = save_id(saves, src)
     for p in parts:
-        suffix = "" if p is None else f".stage{p}"
+        suffix = "" if p is None else f".{sid}.stage{p}"
         shutil.copy(saves / f"{src}{suffix}", saves / f"{dst}{suffix}")
 
 
@@ -83,7 +96,9 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
     saved = r.json()
     n = saved["n_saved"]
     assert saved["id_slot"] == 0 and saved["filename"] == "conv1" and math.ceil(n / C) == 3, saved
-    files = [saves / "conv1", saves / "conv1.stage0", saves / "conv1.stage1"]
+    files = [saves / "conv1", part(saves, "conv1", 0), part(saves, "conv1", 1)]
+    assert sorted(saves.iterdir()) == sorted(files)  # nothing else: no temp file, no other save's part
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
     assert saved["n_written"] == sum(f.stat().st_size for f in files) and saved["timings"]["save_ms"] > 0
     never_saved = front.chat(turn2(first), logprobs=True)  # the held conversation, as if nothing had happened
     assert never_saved["cached"] >= n - 8 > 0, never_saved
@@ -119,25 +134,25 @@ def test_save_erase_restore_and_continue_like_a_run_that_never_saved(box, coordi
     copy_save(saves, "conv1", "model")
     rewrite_header(saves / "model", model_fp="0123456789abcdef")
     copy_save(saves, "conv1", "stage1hash")
-    flip_last_byte(saves / "stage1hash.stage1")
+    flip_last_byte(part(saves, "stage1hash", 1))
     copy_save(saves, "conv1", "stage0cut")
-    os.truncate(saves / "stage0cut.stage0", (saves / "stage0cut.stage0").stat().st_size - 100)
+    os.truncate(part(saves, "stage0cut", 0), part(saves, "stage0cut", 0).stat().st_size - 100)
     copy_save(saves, "conv1", "stage1model")
-    rewrite_header(saves / "stage1model.stage1", model_fp="0123456789abcdef")
+    rewrite_header(part(saves, "stage1model", 1), model_fp="0123456789abcdef")
     copy_save(saves, "conv1", "mixed", parts=(None, 0))
     r = slot_action(front, 1, "save", "other")  # slot 1 holds nothing: refused, nothing written
     assert r.status_code == 400 and "holds no conversation" in r.text and not (saves / "other").exists()
     assert slot_action(front, 0, "save", "other").status_code == 200  # slot 0's turn 2: another save id
-    shutil.copy(saves / "other.stage1", saves / "mixed.stage1")
+    shutil.copy(part(saves, "other", 1), part(saves, "mixed", 1))
     cases = {
         "nope": "nope: no such snapshot file",
         "hash": "hash: the payload hash does not match its header",
-        "magic": "magic: bad magic b'NOTSTRAT'",
+        "magic": "magic: bad magic, not a Strata snapshot",
         "model": "model: refused, it was saved from another model (checkpoint fingerprint 0123456789abcdef",
-        "stage1hash": "stage 1: stage1hash.stage1: the payload hash does not match",
-        "stage0cut": "stage 0: stage0cut.stage0 is truncated",
-        "stage1model": "stage 1: stage1model.stage1: refused, it was saved from another model",
-        "mixed": "stage 1: mixed.stage1: refused, it belongs to another save",
+        "stage1hash": f"stage 1: {part(saves, 'stage1hash', 1).name}: the payload hash does not match",
+        "stage0cut": f"stage 0: {part(saves, 'stage0cut', 0).name} is truncated",
+        "stage1model": f"stage 1: {part(saves, 'stage1model', 1).name}: refused, it was saved from another model",
+        "mixed": f"stage 1: {part(saves, 'mixed', 1).name}: refused, it belongs to another save",
     }
     before = pool_state(front)
     for name, why in cases.items():
@@ -232,3 +247,65 @@ def test_without_the_pool_a_restore_lands_in_the_park_region_and_moves_in_by_cop
     pool = front.live()["kv_pool"]
     assert pool["slots"][0]["tokens"] == r.json()["n_restored"] and len(pool["parked"]) == 1, pool
     same_run(front.chat(turn2(first), logprobs=True), never_saved)
+
+
+def test_a_save_that_fails_on_one_stage_keeps_the_previous_snapshot_whole(box, coordinator):
+    """Stage 1 cannot grow a file past 1 KiB (RLIMIT_FSIZE: its write fails with EFBIG, as on a full disk): the
+    second save of "conv" is a 507 naming stage 1, and the first save still restores and continues like a run
+    that never saved. Then a save that works replaces it and leaves only its own parts."""
+    import resource
+
+    b = box(2, max_context=128, kv_pool_tokens=9 * C)
+    saves = enable_saves(b)
+    b.start_all()
+    front = coordinator(b)
+    first = front.chat(TURN1)
+    assert slot_action(front, 0, "save", "conv").status_code == 200
+    kept = sorted(saves.iterdir())
+    reference = front.chat(turn2(first), logprobs=True)  # slot 0 now holds a longer conversation
+
+    stage1 = b.procs[1].pid
+    limits = resource.prlimit(stage1, resource.RLIMIT_FSIZE)
+    resource.prlimit(stage1, resource.RLIMIT_FSIZE, (1024, limits[1]))
+    try:
+        r = slot_action(front, 0, "save", "conv")
+    finally:
+        resource.prlimit(stage1, resource.RLIMIT_FSIZE, limits)
+    assert r.status_code == 507, r.text
+    err = r.json()["error"]
+    assert err["code"] == "insufficient_storage" and err["message"].startswith("stage 1: "), err
+    assert "previous snapshot of that name is kept" in err["message"]
+    assert sorted(saves.iterdir()) == kept  # stage 0's part of the failed save is gone, the old parts are whole
+
+    assert front.http.post("/slots", params={"action": "erase"}).status_code == 200
+    r = slot_action(front, 0, "restore", "conv")
+    assert r.status_code == 200, r.text
+    same_run(front.chat(turn2(first), logprobs=True), reference)
+
+    r = slot_action(front, 0, "save", "conv")  # the held turn 2 now: a new save id, and the old parts removed
+    assert r.status_code == 200, r.text
+    now = sorted(saves.iterdir())
+    assert len(now) == 3 and now != kept and all(p.exists() for p in (part(saves, "conv", 0), part(saves, "conv", 1)))
+    front.http.post("/slots", params={"action": "erase"})
+
+
+def test_snapshot_files_are_never_read_through_a_symlink(box, coordinator):
+    b = box(2, max_context=128, kv_pool_tokens=9 * C)
+    saves = enable_saves(b)
+    b.start_all()
+    front = coordinator(b)
+    front.chat(TURN1)
+    assert slot_action(front, 0, "save", "conv").status_code == 200
+    secret = b.root / "secret"
+    secret.write_bytes(b"STRATASN" + b"top secret bytes" * 8)
+    (saves / "link").symlink_to(secret)
+    copy_save(saves, "conv", "partlink")
+    target = part(saves, "partlink", 1)
+    target.unlink()
+    target.symlink_to(part(saves, "conv", 1))
+    before = pool_state(front)
+    for name, why in {"link": "link is a symlink", "partlink": f"stage 1: {target.name} is a symlink"}.items():
+        r = slot_action(front, 2, "restore", name)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(why), r.text
+        assert "secret" not in r.text and pool_state(front) == before
+    front.http.post("/slots", params={"action": "erase"})
