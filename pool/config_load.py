@@ -49,13 +49,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """`a.b=value` sets data["a"]["b"]; `stages.1.device=cuda:1` indexes a list; the value is read as YAML.
 
     Numbers, `null`, `true` and flow lists (`stages.0.layers=[0,24]`) come out typed; everything else is a
-    string. Missing sections are created; a list index must exist. `data` is changed in place and returned.
+    string. An empty value is refused (YAML would read it as null). Missing sections are created; a list index
+    must exist. `data` is changed in place and returned.
     """
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. engine.kv_pool_tokens=8192")
+        if not value.strip():  # YAML would read it as null: `--set coordinator.api_key=` must not mean "no key"
+            raise ConfigError(f"--set {key}=: an empty value; write {key}=null to unset it, or {key}='' for an "
+                              f"empty string", key=key)
         parts = key.split(".")
         if any(not p for p in parts):
             raise ConfigError(f"--set {key}: empty part in the key", key=key)

@@ -191,6 +191,11 @@ def test_overrides_on_a_file(tmp_path: Path) -> None:
     assert [s.layers for s in cfg.stages] == [(0, 3), (3, 4)]
     assert (cfg.coordinator.api_key, cfg.model) == ("s3cret", "/srv/models/x")
     assert load_config(path, ["coordinator.api_key=null"]).coordinator.api_key is None
+    for empty in ("coordinator.api_key=", "coordinator.api_key= "):  # not "no key": refused, naming the key
+        with pytest.raises(ConfigError, match="coordinator.api_key=: an empty value"):
+            load_config(path, [empty])
+    with pytest.raises(ConfigError, match="empty api_key would accept any client"):
+        load_config(path, ["coordinator.api_key=''"])
     # The value is read as YAML: a flow list of stages replaces the whole list.
     cfg = load_config(path, ["stages=[{layers: [0, 4], endpoint: 'tcp://h:6000'}]"])
     assert [s.endpoint for s in cfg.stages] == ["tcp://h:6000"]
