@@ -42,6 +42,7 @@ async def serve(cfg: Config) -> None:
     import uvicorn
 
     from .api import make_app
+    from .http_limits import server_config
     from .link import StageLink
     from .scheduler import Scheduler
     from .tokenizer import Tokenizer
@@ -55,8 +56,8 @@ async def serve(cfg: Config) -> None:
     await scheduler.start()
     app = make_app(cfg, scheduler, tokenizer)
     c = cfg.coordinator
-    server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", loop="none",
-                                           log_config=None))
+    server = uvicorn.Server(server_config(app, cfg, host=c.host, port=c.port, log_level="warning", loop="none",
+                                          log_config=None))
     event(log, "coord.serving", url=f"http://{c.host}:{c.port}", model=name, stages=len(cfg.stages),
           pool_cells=scheduler.map.total_cells)
     try:

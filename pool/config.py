@@ -47,6 +47,10 @@ class CoordinatorConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)  # 0 = let the OS pick a free port (tests)
     api_key: str | None = None
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # A request head longer than this is a 400; a request not whole this long after it may start is dropped
+    # (coordinator/http_limits.py).
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    request_read_timeout_s: float = Field(30.0, gt=0)
     # A stage that has not answered a ping for this long is down (issue: detected within 2 s).
     heartbeat_ms: int = Field(250, ge=10)
     stage_timeout_ms: int = Field(1500, ge=50)

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Iterator
 import uvicorn
 
 from coordinator.api import make_app
+from coordinator.http_limits import server_config
 from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
 from pool.config import config_from_dict
 
@@ -143,13 +144,14 @@ class FakeEngine:
 
 
 @contextmanager
-def serve(app) -> Iterator[str]:
-    """Runs `app` on uvicorn on a free loopback port in a background thread; yields the base URL."""
+def serve(app, cfg=None) -> Iterator[str]:
+    """Runs `app` on uvicorn on a free loopback port in a background thread, with the front's HTTP limits
+    (coordinator/http_limits.py) from `cfg` (default: the defaults); yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(server_config(app, cfg or config_from_dict({}), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -197,5 +199,5 @@ def running_front(tokenizer, max_context: int = 256, **coordinator: Any) -> Iter
     engine = FakeEngine(tokenizer, max_context=max_context)
     cfg = config_from_dict({"coordinator": coordinator})
     app = make_app(cfg, engine, tokenizer)
-    with serve(app) as url:
+    with serve(app, cfg) as url:
         yield Stack(url, engine, app, tokenizer)
