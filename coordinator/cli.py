@@ -4,6 +4,7 @@
 `strata coord`          the coordinator alone (what `strata-coord` runs)
 `strata make-tiny-model build a random-weight checkpoint in the Hugging Face layout
 `strata config check`   print the resolved config and the memory each stage will use
+`strata keygen DIR`     make a box's keys (box key, CURVE keypairs) for box.curve_dir (pool/curve.py)
 `strata bench ...`      benchmarks (see docs/BENCHMARKS.md)
 
 The coordinator never imports the stage package: what needs torch (building the tiny model) runs in a
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     cfgsub = cfgp.add_subparsers(dest="config_cmd", required=True)
     cfgsub.add_parser("check", help="print the resolved config and its memory per stage", add_help=False)
     sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)", add_help=False)
+    kg = sub.add_parser("keygen", help="make a box's keys into a new directory (for box.curve_dir)")
+    kg.add_argument("dir", help="a directory that does not exist yet (made 0700)")
     if argv and argv[0] in ("coord", "make-tiny-model", "bench"):
         cmd, rest = argv[0], argv[1:]
         if cmd == "coord":
@@ -123,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_check(argv[2:])
     args = p.parse_args(argv)
+    if args.cmd == "keygen":
+        from pool.curve import keygen
+        from pool.runtime import RuntimeDirError
+
+        try:
+            made = keygen(args.dir)
+        except (FileExistsError, RuntimeDirError, OSError) as err:
+            print(f"strata keygen: {err}", file=sys.stderr)
+            return 1
+        print(f"strata keygen: keys in {made}; set box.curve_dir: {made} on every host of the box "
+              f"(copy the directory, keep it 0700)")
+        return 0
     if args.cmd == "up":
         from .launch import up
 

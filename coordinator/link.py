@@ -52,6 +52,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pool.config import Config
 from pool.logs import event
+from pool.curve import connect_with, load_keys
 from pool.runtime import box_key, token
 
 from .deadlines import StepClock
@@ -87,7 +88,8 @@ class StageLink:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.session = uuid.uuid4().hex[:12]
-        self._hello_token = token(box_key(cfg.box.key_file), f"hello:{self.session}")
+        self._hello_token = token(box_key(cfg.box.resolved_key_file), f"hello:{self.session}")
+        self._curve = load_keys(cfg.box.curve_dir) if cfg.box.curve_dir else None
         self.on_stage_up: Callable[[int], Any] | None = None
         self.on_stage_down: Callable[[int, str], Any] | None = None
         self.op_generations: Callable[[list], list] | None = None
@@ -158,6 +160,7 @@ class StageLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a slow stage; down-detection bounds it
         sock.setsockopt(zmq.RCVHWM, 0)
+        connect_with(sock, self._curve)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(p.endpoint)
         p.sock, p.mon = sock, mon

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pool.config_load import ConfigError, apply_overrides, read_yaml
-from pool.endpoints import MAX_IPC_PATH, check_endpoint, same_host, tcp_host_port
+from pool.endpoints import LOOPBACK_HOSTS, MAX_IPC_PATH, check_endpoint, same_host, tcp_host_port
 from pool.runtime import expand
 
 __all__ = [
@@ -183,14 +183,22 @@ def _default_stages() -> list[StageConfig]:
 class BoxConfig(_Strict):
     """What makes the processes of one box one box (pool/runtime.py): the key every HELLO proves it holds."""
 
-    key_file: str | None = None  # None: <runtime dir>/box.key, made on first use; several hosts: `strata keygen`
+    key_file: str | None = None  # None: curve_dir's box.key, else <runtime dir>/box.key (made on first use)
+    curve_dir: str | None = None  # `strata keygen DIR`: CURVE on every stage socket (pool/curve.py)
 
-    @field_validator("key_file")
+    @field_validator("key_file", "curve_dir")
     @classmethod
-    def _key_file(cls, v: str | None) -> str | None:
+    def _path(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
-            raise ValueError("an empty key_file names no file; use null for the runtime directory's box.key")
+            raise ValueError("an empty path names no file; use null")
         return v
+
+    @property
+    def resolved_key_file(self) -> str | None:
+        """The box key file: key_file, else curve_dir/box.key, else None (the runtime directory's box.key)."""
+        if self.key_file:
+            return self.key_file
+        return str(Path(self.curve_dir).expanduser() / "box.key") if self.curve_dir else None
 
 
 class Config(_Strict):
@@ -241,6 +249,9 @@ class Config(_Strict):
                     raise ValueError(f"{key}: {addr} is already bound by {bound[addr]}")
                 bound[addr] = key
                 c = self.coordinator
+                if hp is not None and hp[0] not in LOOPBACK_HOSTS and not self.box.curve_dir:
+                    raise ValueError(f"{key}: {addr} would carry the stage protocol across a network in clear; set "
+                                     f"box.curve_dir (made by `strata keygen DIR`) or use a loopback host")
                 if hp is not None and hp[1] == c.port and same_host(hp[0], c.host):
                     raise ValueError(f"{key}: {addr} is the coordinator's HTTP port (coordinator.port={c.port})")
 

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from pool.logs import event
+from pool.curve import connect_with
 from pool.wire import DONE, ERROR, HELLO, HIDDEN, LOAD, OPS, RESULT, SAVE, STEP, encode
 
 log = logging.getLogger("strata.stage")
@@ -66,7 +67,7 @@ class Compute(threading.Thread):
     """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
 
     def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int,
-                 next_data: str | None = None, hidden_token: str = "") -> None:
+                 next_data: str | None = None, hidden_token: str = "", curve: Any = None) -> None:
         super().__init__(name="stage-compute", daemon=True)
         self.build = build
         self.ctx = ctx
@@ -75,6 +76,7 @@ class Compute(threading.Thread):
         self.has_next = index < n_stages - 1
         self.next_data = next_data  # the next stage's data endpoint (PUSH from this thread)
         self.hidden_token = hidden_token  # proves to the next stage that a HIDDEN comes from this box
+        self.curve = curve  # pool/curve.py CurveKeys, or None
         self.items: queue.Queue = queue.Queue()
         self.hidden = Hidden()
         self.runner: Any = None
@@ -90,6 +92,7 @@ class Compute(threading.Thread):
         self.push = None
         if self.has_next:
             self.push = self.ctx.socket(zmq.PUSH)
+            connect_with(self.push, self.curve)
             for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
                 self.push.setsockopt(opt, 0)
             self.push.connect(self.next_data)

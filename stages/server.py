@@ -53,6 +53,7 @@ from typing import Any
 import zmq
 
 from pool.config import Config, ConfigError, load_config
+from pool.curve import authenticator, load_keys, serve_on
 from pool.runtime import Hold, InUse, RuntimeDirError, box_key, hold, private_dir, same_token
 from pool.logs import event, setup_logging
 
@@ -95,17 +96,22 @@ class StageServer:
         self.cfg = cfg
         self.index = index
         self.stop = threading.Event()
-        self.owners = Ownership(box_key(cfg.box.key_file), index, cfg.coordinator.stage_timeout_ms / 1000)
+        self.owners = Ownership(box_key(cfg.box.resolved_key_file), index, cfg.coordinator.stage_timeout_ms / 1000)
+        self.curve = load_keys(cfg.box.curve_dir) if cfg.box.curve_dir else None
         self.ctx = zmq.Context()
         self.bound: list[Path] = []
         self.locks: list[Hold] = []
         stage = cfg.stages[index]
         # No high-water marks: a send never blocks the I/O thread nor drops a frame; a peer that stops
         # reading is the link's to detect (heartbeat), not this loop's.
+        self.auth = authenticator(self.ctx, self.curve)  # ZAP: only the box's client key gets in (pool/curve.py)
         self.router = self._socket(zmq.ROUTER)
         self.results = self.ctx.socket(zmq.PAIR)
         self.results.bind("inproc://stage-results")
         self.pull = self._socket(zmq.PULL) if index > 0 else None
+        for sock in (self.router, self.pull):
+            if sock is not None:
+                serve_on(sock, self.curve)
         try:
             _bind(self.router, stage.endpoint, self.bound, self.locks, f"stage {index}'s endpoint")
             if self.pull is not None:
@@ -114,7 +120,8 @@ class StageServer:
             self._release()
             raise
         next_data = cfg.stages[index + 1].data if index < len(cfg.stages) - 1 else None
-        self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data, self.owners.hidden_token)
+        self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data, self.owners.hidden_token,
+                               self.curve)
         self.peer: bytes | None = None  # the coordinator's identity, once its HELLO was accepted
         self.fatal: str | None = None
         self.ready = False
@@ -229,6 +236,8 @@ class StageServer:
 
     def _release(self) -> None:
         """Close the sockets, remove the ipc files this stage bound, then drop their locks."""
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy(linger=0)
         for path in self.bound:  # only what this stage bound, while it still holds the locks
             path.unlink(missing_ok=True)
@@ -281,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except EndpointBusy as err:
         print(f"strata-stage: {err}; nothing was changed there", file=sys.stderr)
         return 2
-    except RuntimeDirError as err:
+    except (RuntimeDirError, ValueError, OSError) as err:  # the box key or the CURVE keys
         print(f"strata-stage: {err}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -121,10 +121,11 @@ def test_duplicate_endpoints() -> None:
 
 def test_derived_data_endpoint_must_be_valid() -> None:
     stages = [{"layers": [0, 2], "endpoint": "tcp://10.0.0.1:5000"}, {"layers": [2, 4], "endpoint": "tcp://10.0.0.2:65535"}]
-    err = _refused({"stages": stages})
+    box = {"curve_dir": "/etc/strata/keys"}
+    err = _refused({"stages": stages, "box": box})
     assert err.key == "stages.1.data" and "65536" in str(err) and "set stages.1.data_endpoint" in str(err)
     stages[1]["data_endpoint"] = "tcp://10.0.0.2:6000"
-    assert config_from_dict({"stages": stages}).stages[1].data == "tcp://10.0.0.2:6000"
+    assert config_from_dict({"stages": stages, "box": box}).stages[1].data == "tcp://10.0.0.2:6000"
     long_ipc = "ipc:///tmp/" + "x" * 100  # 105 bytes of path: fine, but not with "-data" after it
     err = _refused({"stages": [{"layers": [0, 2], "endpoint": "ipc:///tmp/a"}, {"layers": [2, 4], "endpoint": long_ipc}]})
     assert err.key == "stages.1.data" and "unix sockets allow 107" in str(err)
@@ -135,7 +136,7 @@ def test_stage_port_is_not_the_http_port() -> None:
     err = _refused({"stages": [stage]})
     assert err.key == "stages.0.endpoint" and "coordinator.port=8080" in str(err)
     _refused({"coordinator": {"host": "0.0.0.0"}, "stages": [{**stage, "endpoint": "tcp://localhost:8080"}]})
-    config_from_dict({"stages": [{**stage, "endpoint": "tcp://10.0.0.2:8080"}]})  # another host
+    config_from_dict({"stages": [{**stage, "endpoint": "tcp://10.0.0.2:8080"}], "box": {"curve_dir": "/k"}})
     config_from_dict({"coordinator": {"port": 8000}, "stages": [stage]})
 
 
@@ -197,8 +198,10 @@ def test_overrides_on_a_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="empty api_key would accept any client"):
         load_config(path, ["coordinator.api_key=''"])
     # The value is read as YAML: a flow list of stages replaces the whole list.
-    cfg = load_config(path, ["stages=[{layers: [0, 4], endpoint: 'tcp://h:6000'}]"])
+    cfg = load_config(path, ["stages=[{layers: [0, 4], endpoint: 'tcp://h:6000'}]", "box.curve_dir=/k"])
     assert [s.endpoint for s in cfg.stages] == ["tcp://h:6000"]
+    with pytest.raises(ConfigError, match="across a network in clear; set box.curve_dir"):  # and without CURVE
+        load_config(path, ["stages=[{layers: [0, 4], endpoint: 'tcp://h:6000'}]"])
 
 
 def test_overrides_reach_default_stages() -> None:
