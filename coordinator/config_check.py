@@ -28,8 +28,11 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
   without the pool (one full context per slot plus one for a parked conversation).
 
 Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
-stages that do not cover the model's layers exactly once, a pool geometry the stage could not lay out,
-a `device_cells` a CUDA stage cannot run with (0: it has no other way to reach its K/V).
+a model the stages cannot compute (the same rules as `stages.checkpoint.check_computable`, which refuses it
+again at load: an architecture outside SUPPORTED_ARCHS, a `hidden_act` other than silu, a rope type outside
+SUPPORTED_ROPE_TYPES or a partial rotary factor, any `quantization_config`, a weight stored in a dtype other
+than F64/F32/F16/BF16), stages that do not cover the model's layers exactly once, a pool geometry the stage
+could not lay out, a `device_cells` a CUDA stage cannot run with (0: it has no other way to reach its K/V).
 """
 from __future__ import annotations
 
@@ -56,7 +59,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1}
 ST_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-# What stages/ loads (stages/checkpoint.py is the authority; a mismatch here is a note, not a refusal).
+# What stages/ computes: the same lists as stages/checkpoint.py and stages/rope.py (a test pins that they agree;
+# the coordinator does not import the stage package).
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+LOADABLE_ST = ("F64", "F32", "F16", "BF16")
+# The architectures whose weights the config.json geometry formula (dense_tensor_shapes) knows.
 DENSE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 TINY_FALLBACK = {  # the embedded default, if `python -m stages.tiny --describe` cannot run
     "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
@@ -146,6 +155,40 @@ def _describe_tiny(model: str) -> tuple[dict, str]:
             raise ConfigError(f"model: cannot describe {model!r} (python -m stages.tiny --describe failed)",
                               key="model") from None
         return dict(TINY_FALLBACK), "unknown"
+
+
+def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = None) -> None:
+    """ConfigError (key "model") naming the first thing of config.json (read from `where`) the stages would not
+    compute, instead of serving wrong output; `stored`: tensor name -> safetensors dtype."""
+    def refuse(why: str) -> None:
+        raise ConfigError(f"model: {why} (in {where})", key="model")
+
+    arch = (conf.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHS:
+        refuse(f"architecture {arch!r} is not computed by the stages (supported: {', '.join(SUPPORTED_ARCHS)})")
+    act = conf.get("hidden_act", "silu")
+    if act != "silu":
+        refuse(f"hidden_act {act!r} is not computed by the stages (only silu)")
+    quant = conf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        refuse(f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
+               "(float32/bfloat16/float16) checkpoint")
+    rope = dict(conf.get("rope_parameters") or conf.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        refuse("rope parameters per layer type (nested rope_parameters) are not computed by the stages")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        refuse(f"rope_type {rope_type!r} is not computed by the stages (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", conf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        refuse(f"partial_rotary_factor={partial} is not computed by the stages (only 1.0)")
+    if rope_type in ("linear", "dynamic", "llama3") and rope.get("factor") is None:
+        refuse(f"rope_type {rope_type!r} needs a 'factor'")
+    odd = sorted(n for n, dt in (stored or {}).items() if dt not in LOADABLE_ST and n.startswith(("model.", "lm_head.")))
+    if odd:
+        dtype = stored[odd[0]]  # type: ignore[index]
+        refuse(f"tensor {odd[0]} is stored as {dtype}; the stages read only {', '.join(LOADABLE_ST)} weights")
 
 
 def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
@@ -276,6 +319,7 @@ def check(cfg: Config) -> Report:
     tensors: list[tuple[str, int, int, bool]] = []  # name, stored bytes, numel, is_float
     if cfg.model == "tiny" or cfg.model.startswith("tiny:"):
         conf, weights_from = _describe_tiny(cfg.model)
+        refuse_uncomputable(cfg.model, conf)
         source = f"{cfg.model} (embedded default, built on first use)"
     else:
         model_dir = Path(cfg.model).expanduser()
@@ -283,15 +327,16 @@ def check(cfg: Config) -> Report:
             raise ConfigError(f"model: {cfg.model} has no config.json (a Hugging Face checkpoint directory, or tiny)",
                               key="model")
         conf, source = json.loads((model_dir / "config.json").read_text()), str(model_dir)
+        stored: dict[str, str] = {}
         for path in _weight_files(model_dir):
             for name, t in read_safetensors_header(path).items():
                 numel = math.prod(t["shape"])
                 tensors.append((name, t["data_offsets"][1] - t["data_offsets"][0], numel, t["dtype"] in ST_FLOAT))
+                stored[name] = t["dtype"]
+        refuse_uncomputable(str(model_dir / "config.json"), conf, stored)
         weights_from = "safetensors headers" if tensors else "config.json geometry"
     info = _model_info(source, conf, weights_from)
     cfg.check_layers(info.num_layers)
-    if info.arch not in DENSE_ARCHS:
-        notes.append(f"model: architecture {info.arch} is not one stages/ loads ({', '.join(DENSE_ARCHS)})")
     max_pos = conf.get("max_position_embeddings")
     if max_pos and cfg.engine.max_context > max_pos and not conf.get("rope_scaling"):
         notes.append(f"engine.max_context={cfg.engine.max_context} exceeds the model's max_position_embeddings="

@@ -8,6 +8,12 @@ The fingerprint is what stages compare in the handshake ("do we serve the same c
 byte of a 30 GiB checkpoint at each start would take minutes, so it covers `config.json`, every tensor's header
 entry (name, dtype, shape, byte offsets) and a sample of each tensor's data (its first 64 bytes): two random
 checkpoints of the same shape differ, and reading it costs one small read per tensor.
+
+Refused at load, with a message naming what (`check_computable`), because the stages would otherwise serve
+wrong output without a word: an architecture outside `SUPPORTED_ARCHS`, a `hidden_act` other than silu, a
+rope the stages do not compute (stages/rope.py), and any `quantization_config` (FP8 blocks, GPTQ, AWQ, ...:
+the stages compute only plain float weights). A tensor stored in a dtype the stages do not cast from (FP8,
+integers) is refused when it is loaded. `strata config check` refuses the same configs before anything starts.
 """
 from __future__ import annotations
 
@@ -23,7 +29,14 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from stages.rope import RopeError, rope_parameters
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ACTS = ("silu",)
+# Stored dtypes a float tensor may be cast from; anything else (F8_E4M3 with its block scales, I8, ...) would be
+# read as plain numbers without the scheme that gives them meaning.
+FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FINGERPRINT_SAMPLE_BYTES = 64
@@ -145,7 +158,10 @@ class Checkpoint:
         """
         names = list(dict.fromkeys(names))
         for n in names:
-            self._info(n)
+            info = self._info(n)
+            if dtype is not None and info.dtype not in FLOAT_ST_DTYPES:
+                raise CheckpointError(f"tensor '{n}' of checkpoint {self.dir} is stored as {info.dtype}; the stages "
+                                      f"read only {', '.join(FLOAT_ST_DTYPES)} weights")
         total = self.nbytes(names)
         progress = _Progress(label or str(self.dir), total) if total >= PROGRESS_MIN_BYTES else None
         by_file: dict[Path, list[str]] = {}
@@ -173,21 +189,40 @@ class Checkpoint:
 def load_checkpoint(dir: str | Path) -> Checkpoint:
     """Read `config.json` and the safetensors headers of a Hugging Face checkpoint directory.
 
-    The architecture (`config.json` "architectures"[0]) must be one of `SUPPORTED_ARCHS`; anything else raises
-    `CheckpointError` naming it and listing the supported ones.
+    A config the stages cannot compute (`check_computable`) raises `CheckpointError` naming what, e.g. the
+    architecture (`config.json` "architectures"[0]) with the list of supported ones.
     """
     d = Path(dir)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{d} is not a checkpoint directory: config.json not found")
     config = json.loads(cfg_path.read_text())
+    check_computable(config, cfg_path)
+    return Checkpoint(d, config, config["architectures"][0], _read_infos(d))
+
+
+def check_computable(config: dict, source: str | Path = "config.json") -> None:
+    """Raise `CheckpointError` naming the first thing of `config` the stages do not compute (module docstring)."""
+    def refuse(why: str) -> None:
+        raise CheckpointError(f"{why} (in {source})")
+
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHS:
-        raise CheckpointError(
-            f"unsupported architecture {arch!r} in {cfg_path}; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
-    return Checkpoint(d, config, arch, _read_infos(d))
+        refuse(f"unsupported architecture {arch!r}: not computed by the stages; supported: "
+               f"{', '.join(SUPPORTED_ARCHS)}")
+    act = config.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTS:
+        refuse(f"hidden_act {act!r} is not computed by the stages (only {', '.join(SUPPORTED_ACTS)})")
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        refuse(f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
+               "(float32/bfloat16/float16) checkpoint")
+    try:
+        rope_parameters(config)
+    except RopeError as e:
+        refuse(str(e))
 
 
 def _read_infos(d: Path) -> dict[str, TensorInfo]:

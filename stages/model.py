@@ -1,6 +1,6 @@
 """A stage's slice of a Llama-family decoder: layers [first, last) of a checkpoint, attention through the pool.
 
-One decoder layer, as in transformers' Llama / Mistral / Qwen2 / Qwen3:
+One decoder layer, as in transformers' Llama / Mistral / Qwen2 / Qwen3 (and their MoE kin, below):
 
     h = x + o_proj(attention(rope(norm_q(q_proj(rms(x)))), rope(norm_k(k_proj(rms(x)))), v_proj(rms(x))))
     out = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
@@ -8,6 +8,10 @@ One decoder layer, as in transformers' Llama / Mistral / Qwen2 / Qwen3:
 Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorms on q and k (`norm_q`, `norm_k`); any bias the checkpoint
 holds is applied, so a Llama with `attention_bias` or `mlp_bias` works too. Mistral uses a sliding window on
 every layer, Qwen2/Qwen3 on the layers `layer_types` (or `max_window_layers`) name when `use_sliding_window`.
+
+Qwen2-MoE and Qwen3-MoE layers are the Qwen2 / Qwen3 layer with the MLP of a sparse layer replaced by the
+routed experts of stages/moe.py (`mlp_only_layers` and `decoder_sparse_step` keep some layers dense); their
+sliding windows follow transformers' rules for each (Qwen3-MoE: every layer when `use_sliding_window`).
 
 The first stage also holds the embedding, the last one the final norm and lm_head (the embedding when tied).
 Local layer l of the stage is global layer `first + l`; the KV cache is indexed by local layer.
@@ -17,7 +21,9 @@ decodes does not hide):
 
     qkv.weight       [q | k | v] rows of q_proj, k_proj, v_proj        one linear for all three
     gate_up.weight   [gate | up] rows of gate_proj, up_proj            one linear for both
-    qk_norm.weight   [heads + kv_heads, head_dim]: q_norm per q head, k_norm per k head (Qwen3)
+    qk_norm.weight   [heads + kv_heads, head_dim]: q_norm per q head, k_norm per k head (Qwen3, Qwen3-MoE)
+    experts.*        a sparse layer's experts stacked along a first expert axis (stages/moe.py); unlike the
+                     rows above, the per-expert names do not stay in the layer's dict
 
 q and k are normed and rotated together as one `[T, heads + kv_heads, head_dim]` tensor. Each output element
 is the same dot product (or the same elementwise formula) as with separate calls; the original names stay in
@@ -36,12 +42,14 @@ from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
+from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
 from stages.rope import Rope, apply_rope
 from stages.window import StepView
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ROPE_TABLE_MIN = 1024  # positions in the first rotary table
 ROPE_TABLE_MAX = 65536  # past this, cos/sin are computed per step (a table would be [positions, head_dim] x 2)
 
@@ -60,14 +68,15 @@ class ModelSpec:
     vocab_size: int
     rms_norm_eps: float
     sliding_windows: tuple[int | None, ...]
+    moe: MoESpec | None = None  # None: every layer's MLP is dense
 
     @classmethod
     def from_config(cls, config: dict, arch: str) -> "ModelSpec":
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+        """The spec of a config that `stages.checkpoint.check_computable` accepted (it refuses the rest)."""
         heads = int(config["num_attention_heads"])
         n_layers = int(config["num_hidden_layers"])
+        moe = MoESpec.from_config(config, arch)
+        dense = moe is None or not all(moe.sparse)
         return cls(
             arch=arch,
             num_layers=n_layers,
@@ -75,11 +84,16 @@ class ModelSpec:
             num_heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=int(config["intermediate_size"] if dense else config.get("intermediate_size") or 0),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             sliding_windows=_sliding_windows(config, arch, n_layers),
+            moe=moe,
         )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Global layer `layer` routes through experts (stages/moe.py) instead of a dense MLP."""
+        return self.moe is not None and self.moe.sparse[layer]
 
 
 def _sliding_windows(config: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
@@ -87,11 +101,17 @@ def _sliding_windows(config: dict, arch: str, n_layers: int) -> tuple[int | None
     window = config.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (window,) * n_layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window and config.get("use_sliding_window"):
+    if not (window and config.get("use_sliding_window")):
+        return (None,) * n_layers
+    if arch == "Qwen3MoeForCausalLM":
+        return (window,) * n_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         types = config.get("layer_types")
         if types:
             return tuple(window if t == "sliding_attention" else None for t in types)
         first_sliding = config.get("max_window_layers", n_layers)
+        if arch == "Qwen2MoeForCausalLM":  # transformers' Qwen2MoeConfig: even layers below max_window_layers
+            return tuple(window if i % 2 == 0 and i < first_sliding else None for i in range(n_layers))
         return tuple(window if i >= first_sliding else None for i in range(n_layers))
     return (None,) * n_layers
 
@@ -146,11 +166,7 @@ class StageModel:
 
         names = self._tensor_names(ckpt)
         w = ckpt.tensors(names, self.device, self.dtype, label=f"layers {first}-{last - 1}")
-        self.layers = [
-            _fuse({key[len(f"model.layers.{g}."):]: t for key, t in w.items() if key.startswith(f"model.layers.{g}.")},
-                  self.spec)
-            for g in range(first, last)
-        ]
+        self.layers = [self._layer_weights(w, g) for g in range(first, last)]
         self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
         self._rope_sin: torch.Tensor | None = None
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
@@ -159,18 +175,30 @@ class StageModel:
         if self.is_last:
             self.lm_head = w["model.embed_tokens.weight" if ckpt.tie_word_embeddings else "lm_head.weight"]
 
+    def _layer_weights(self, w: dict[str, torch.Tensor], g: int) -> dict[str, torch.Tensor]:
+        """Global layer g's tensors out of the stage's load, by names relative to the layer, fused."""
+        p = f"model.layers.{g}."
+        layer = {key[len(p):]: w.pop(key) for key in [k for k in w if k.startswith(p)]}
+        if self.spec.is_sparse(g):
+            stack_experts(layer, self.spec.moe)
+        return _fuse(layer, self.spec)
+
     def _tensor_names(self, ckpt: Checkpoint) -> list[str]:
         """Every tensor this stage needs; optional biases only when the checkpoint has them."""
         names: list[str] = []
         for g in range(self.first, self.last):
             p = f"model.layers.{g}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            projections = [f"self_attn.{m}" for m in _ATTN] + [f"mlp.{m}" for m in _MLP]
+            projections = [f"self_attn.{m}" for m in _ATTN]
+            if self.spec.is_sparse(g):
+                names += sparse_tensor_names(p, self.spec.moe)
+            else:
+                projections += [f"mlp.{m}" for m in _MLP]
             for m in projections:
                 names.append(p + m + ".weight")
                 if ckpt.has_tensor(p + m + ".bias"):
                     names.append(p + m + ".bias")
-            if self.spec.arch == "Qwen3ForCausalLM":
+            if self.spec.arch in QK_NORM_ARCHS:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if self.is_first:
             names.append("model.embed_tokens.weight")
@@ -269,8 +297,11 @@ class StageModel:
         attn = _attend(kv, local, batch, q, k, v, self.scale, self.sliding_windows[local])
         x = x + _linear(attn, w, "self_attn.o_proj")
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
+        if "experts.gate_up" in w:
+            return x + moe_mlp(h, w, s.moe)
         gate_up = F.linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
-        mlp = F.silu(gate_up[:, :s.intermediate_size]) * gate_up[:, s.intermediate_size:]
+        inter = gate_up.shape[-1] // 2
+        mlp = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return x + _linear(mlp, w, "mlp.down_proj")
 
 
@@ -292,6 +323,8 @@ def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor
     """Add the fused tensors (module docstring) to one layer's dict; the parts become row views of them."""
     for fused, parts in (("qkv", [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]),
                          ("gate_up", ["mlp.gate_proj", "mlp.up_proj"])):
+        if parts[0] + ".weight" not in w:
+            continue  # a sparse layer has no dense MLP
         weights = [w[p + ".weight"] for p in parts]
         w[fused + ".weight"] = torch.cat(weights)
         if any(p + ".bias" in w for p in parts):

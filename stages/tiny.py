@@ -1,6 +1,7 @@
 """Random-weight checkpoints in exactly the Hugging Face layout, with a real tokenizer: the "tiny" model.
 
-`make_tiny_model` writes what a Hub download of a Llama / Mistral / Qwen2 / Qwen3 checkpoint holds:
+`make_tiny_model` writes what a Hub download of a Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE
+checkpoint holds:
 `config.json`, `generation_config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json` with a ChatML chat template.
 It needs torch, safetensors and tokenizers only: transformers is a test dependency, and the embedded
@@ -17,7 +18,11 @@ Rules:
 - Tokenizer: stages/tiny_tokenizer.py (byte-level BPE trained on `CORPUS`, special tokens, ChatML template).
 - `vocab` larger than the tokenizer pads the embedding (as real checkpoints do); smaller is refused.
 - `tie_embeddings=None` follows the arch's small public checkpoints: tied for qwen2/qwen3 (no
-  `lm_head.weight` in the files), untied for llama/mistral.
+  `lm_head.weight` in the files), untied for llama/mistral and the MoE archs.
+- MoE (qwen2_moe, qwen3_moe): `experts` experts (default 8) of `moe_intermediate` (default 32), `top_k`
+  (default 2) per token, every `sparse_step`-th layer sparse (default 1: all), per-expert tensors named as
+  on the Hub (`mlp.experts.{e}.gate_proj.weight`, ...); `norm_topk_prob` as the public checkpoints
+  (Qwen3-MoE true, Qwen1.5-MoE false); qwen2_moe adds the shared expert (2 * moe_intermediate) and its gate.
 
 `ensure_tiny("tiny")` builds the embedded default (DEFAULT_SPEC) once into `tiny_cache_dir()` and reuses
 it; the cache key covers the spec and the source of every file that shapes the checkpoint (this one and
@@ -44,7 +49,7 @@ from stages.tiny_tokenizer import (
 __all__ = [
     "ARCHS", "BOS_TOKEN", "CHAT_TEMPLATE", "CORPUS", "DEFAULT_SPEC", "DTYPES", "EOS_TOKEN", "NORM_JITTER", "PAD_TOKEN",
     "SPECIAL_TOKENS", "TOKENIZER_VOCAB", "WEIGHT_STD", "build_tokenizer", "ensure_tiny", "main", "make_tiny_model",
-    "make_weights", "resolve_spec", "special_ids", "tensor_shapes", "tiny_cache_dir", "tiny_config",
+    "MOE_DEFAULTS", "make_weights", "resolve_spec", "special_ids", "tensor_shapes", "tiny_cache_dir", "tiny_config",
 ]
 
 # torch and safetensors are imported where weights are made, so that `--describe` and a cache hit in
@@ -59,7 +64,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     "mistral": {"cls": "MistralForCausalLM", "rope_theta": 1e4, "qkv_bias": False, "qk_norm": False, "tie": False},
     "qwen2": {"cls": "Qwen2ForCausalLM", "rope_theta": 1e6, "qkv_bias": True, "qk_norm": False, "tie": True},
     "qwen3": {"cls": "Qwen3ForCausalLM", "rope_theta": 1e6, "qkv_bias": False, "qk_norm": True, "tie": True},
+    "qwen2_moe": {"cls": "Qwen2MoeForCausalLM", "rope_theta": 1e6, "qkv_bias": True, "qk_norm": False, "tie": False,
+                  "moe": True, "shared_expert": True, "norm_topk_prob": False},
+    "qwen3_moe": {"cls": "Qwen3MoeForCausalLM", "rope_theta": 1e6, "qkv_bias": False, "qk_norm": True, "tie": False,
+                  "moe": True, "shared_expert": False, "norm_topk_prob": True},
 }
+MOE_DEFAULTS = {"experts": 8, "top_k": 2, "moe_intermediate": 32, "sparse_step": 1}
 DTYPES = ("float32", "bfloat16", "float16")
 
 # The embedded default, `model: tiny` in a config.
@@ -70,13 +80,18 @@ DEFAULT_SPEC: dict[str, Any] = {
 def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                 intermediate: int | None = None, vocab: int | None = None, dtype: str = "float32",
                 rope_scaling: dict | None = None, max_position: int = 32768,
-                tie_embeddings: bool | None = None) -> dict[str, Any]:
+                tie_embeddings: bool | None = None, experts: int | None = None, top_k: int | None = None,
+                moe_intermediate: int | None = None, sparse_step: int | None = None) -> dict[str, Any]:
     """The `config.json` of a tiny checkpoint (pure: no weights, no tokenizer training).
 
-    intermediate defaults to 3 * hidden; head_dim is hidden // heads for every arch.
+    intermediate (the dense MLP) defaults to 3 * hidden; head_dim is hidden // heads for every arch; the MoE
+    keywords (MOE_DEFAULTS) are for the MoE archs only.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    moe_given = {"experts": experts, "top_k": top_k, "moe_intermediate": moe_intermediate, "sparse_step": sparse_step}
+    if not ARCHS[arch].get("moe") and any(v is not None for v in moe_given.values()):
+        raise ValueError(f"{', '.join(k for k, v in moe_given.items() if v is not None)}: only for the MoE archs")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     if min(layers, hidden, heads, kv_heads) < 1 or hidden % heads or heads % kv_heads:
@@ -118,9 +133,29 @@ def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: i
         cfg.update(mlp_bias=False, pretraining_tp=1)
     if arch == "mistral":
         cfg.update(sliding_window=None)
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if a.get("moe"):
+        m = {**MOE_DEFAULTS, **{k: v for k, v in moe_given.items() if v is not None}}
+        if not 1 <= m["top_k"] <= m["experts"] or min(m["moe_intermediate"], m["sparse_step"]) < 1:
+            raise ValueError(f"bad MoE geometry: experts={m['experts']} top_k={m['top_k']} "
+                             f"moe_intermediate={m['moe_intermediate']} sparse_step={m['sparse_step']}")
+        cfg.update(num_experts=m["experts"], num_experts_per_tok=m["top_k"], moe_intermediate_size=m["moe_intermediate"],
+                   decoder_sparse_step=m["sparse_step"], mlp_only_layers=[], norm_topk_prob=a["norm_topk_prob"],
+                   output_router_logits=False, router_aux_loss_coef=0.001)
+        if a["shared_expert"]:
+            cfg.update(shared_expert_intermediate_size=2 * m["moe_intermediate"])
+    if arch == "qwen2_moe":
+        cfg.update(qkv_bias=True)  # Qwen2MoeConfig's name for the q/k/v biases
     return cfg
+
+
+def _sparse(cfg: dict[str, Any], layer: int) -> bool:
+    """transformers' rule (stages/moe.py): the layer routes through experts."""
+    if not ARCHS[cfg["model_type"]].get("moe"):
+        return False
+    return (layer not in cfg["mlp_only_layers"] and cfg["num_experts"] > 0
+            and (layer + 1) % cfg["decoder_sparse_step"] == 0)
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -140,6 +175,20 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         out.append((p + "self_attn.o_proj.weight", (h, q)))
         out.append((p + "post_attention_layernorm.weight", (h,)))
+        if _sparse(cfg, i):
+            out.append((p + "mlp.gate.weight", (cfg["num_experts"], h)))
+            mi = cfg["moe_intermediate_size"]
+            for e in range(cfg["num_experts"]):
+                out += [(p + f"mlp.experts.{e}.gate_proj.weight", (mi, h)),
+                        (p + f"mlp.experts.{e}.up_proj.weight", (mi, h)),
+                        (p + f"mlp.experts.{e}.down_proj.weight", (h, mi))]
+            if a.get("shared_expert"):
+                si = cfg["shared_expert_intermediate_size"]
+                out += [(p + "mlp.shared_expert.gate_proj.weight", (si, h)),
+                        (p + "mlp.shared_expert.up_proj.weight", (si, h)),
+                        (p + "mlp.shared_expert.down_proj.weight", (h, si)),
+                        (p + "mlp.shared_expert_gate.weight", (1, h))]
+            continue
         out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
                 (p + "mlp.down_proj.weight", (h, inter))]
     out.append(("model.norm.weight", (h,)))
@@ -206,10 +255,11 @@ def make_tiny_model(dir: str | os.PathLike, arch: str = "qwen3", layers: int = 4
                     heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
                     vocab: int | None = None, seed: int = 0, dtype: str = "float32", shards: int = 1,
                     rope_scaling: dict | None = None, max_position: int = 32768,
-                    tie_embeddings: bool | None = None) -> Path:
+                    tie_embeddings: bool | None = None, experts: int | None = None, top_k: int | None = None,
+                    moe_intermediate: int | None = None, sparse_step: int | None = None) -> Path:
     """Write a random-weight checkpoint + tokenizer into `dir` (created; old weight files replaced)."""
     cfg = tiny_config(arch, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, rope_scaling,
-                      max_position, tie_embeddings)
+                      max_position, tie_embeddings, experts, top_k, moe_intermediate, sparse_step)
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -231,7 +281,8 @@ def tiny_cache_dir() -> Path:
 
 
 _SPEC_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seed", "dtype",
-              "shards", "rope_scaling", "max_position", "tie_embeddings")
+              "shards", "rope_scaling", "max_position", "tie_embeddings", "experts", "top_k", "moe_intermediate",
+              "sparse_step")
 
 
 def _parse_value(text: str) -> Any:
@@ -322,13 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rope-scaling", type=json.loads, default=None,
                    help='JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
     p.add_argument("--tie-embeddings", choices=["auto", "yes", "no"], default="auto")
+    p.add_argument("--experts", type=int, default=None, help=f"MoE archs (default {MOE_DEFAULTS['experts']})")
+    p.add_argument("--top-k", type=int, default=None, help=f"MoE archs (default {MOE_DEFAULTS['top_k']})")
+    p.add_argument("--moe-intermediate", type=int, default=None,
+                   help=f"MoE archs (default {MOE_DEFAULTS['moe_intermediate']})")
+    p.add_argument("--sparse-step", type=int, default=None,
+                   help="MoE archs: every n-th layer routes (default 1: all)")
     p.add_argument("--describe", nargs="?", const="", metavar="SPEC",
                    help="print the config.json of SPEC ('tiny', 'tiny:k=v,...'; empty: the other options)")
     a = p.parse_args(argv)
     tie = {"auto": None, "yes": True, "no": False}[a.tie_embeddings]
     kwargs = dict(arch=a.arch, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                   intermediate=a.intermediate, vocab=a.vocab, dtype=a.dtype, rope_scaling=a.rope_scaling,
-                  max_position=a.max_position, tie_embeddings=tie)
+                  max_position=a.max_position, tie_embeddings=tie, experts=a.experts, top_k=a.top_k,
+                  moe_intermediate=a.moe_intermediate, sparse_step=a.sparse_step)
     if a.describe is not None:
         if a.describe:
             kwargs = {k: v for k, v in resolve_spec(a.describe).items() if k not in ("seed", "shards")}

@@ -25,7 +25,8 @@ def test_engine_threads_wins(eight_cores):
 def test_only_the_cpu_stages_of_the_same_machine_share(eight_cores):
     cfg = load_config(None, ["stages.1.device=cuda:0"])
     assert [runner.stage_threads(cfg, i) for i in (0, 1)] == [8, 0]
-    cfg = load_config(None, ["stages.0.endpoint=tcp://10.0.0.5:7000", "stages.1.endpoint=tcp://127.0.0.1:7000"])
+    cfg = load_config(None, ["stages.0.endpoint=tcp://10.0.0.5:7000", "stages.1.endpoint=tcp://127.0.0.1:7000",
+                                 "box.curve_dir=/etc/strata/keys"])
     assert [runner.stage_threads(cfg, i) for i in (0, 1)] == [8, 8]
     cfg = load_config(None, ["stages.0.endpoint=tcp://localhost:7000", "stages.1.endpoint=ipc:///tmp/s1"])
     assert [runner.stage_threads(cfg, i) for i in (0, 1)] == [4, 4]
