@@ -4,6 +4,7 @@ Routes
   POST /v1/chat/completions, POST /v1/completions      OpenAI (api_openai.py)
   POST /v1/messages, POST /v1/messages/count_tokens    Anthropic (api_anthropic.py)
   GET  /v1/models                                      the served model
+  GET  /v1/models/{id}                                 one of them; 404 model_not_found for another id
   GET  /health                                         engine.health(); 503 while a stage is down
   GET  /slots                                          engine.slots(), llama.cpp style
   POST /slots/{id}?action=erase, POST /slots?action=erase   drop one idle slot's conversation, or all idle ones
@@ -113,14 +114,22 @@ def make_app(cfg: Config, engine: Engine, tokenizer: Tokenizer) -> FastAPI:
     app.include_router(api_openai.make_router(front, auth))
     app.include_router(api_anthropic.make_router(front, auth))
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "strata",
+                "max_model_len": engine.max_context}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         await auth(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": started, "owned_by": "strata",
-             "max_model_len": engine.max_context}
-            for name in front.served_models
-        ]}
+        return {"object": "list", "data": [model_card(name) for name in front.served_models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        """One served model (the client's `models.retrieve`); an id may hold slashes ("org/name")."""
+        await auth(request)
+        if model_id not in front.served_models:
+            raise ApiError.model_not_found(model_id, front.served_models)
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> JSONResponse:

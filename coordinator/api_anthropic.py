@@ -7,7 +7,10 @@ pool), `stop_sequence` (with `stop_sequence` naming it).
 Stream events, in order: message_start, content_block_start, ping, content_block_delta (text_delta)...,
 content_block_stop, message_delta (stop_reason, usage), message_stop; an error after the start is one
 `error` event (a full pool: `overloaded_error`, the code kept in the message). message_start reports the
-whole prompt as `input_tokens` (the cache hit is known only at the end); message_delta carries the final usage.
+prompt as the non-streaming answer does (`input_tokens` + `cache_read_input_tokens`, the split the engine
+gives with the first token; all of the prompt as `input_tokens` where it gives none); message_delta carries
+the final usage.
+A final assistant message is a prefill: the answer continues it (`Front.chat_ids`, continue_final).
 Any model name is accepted (Anthropic clients send their own); responses name the served model.
 """
 from __future__ import annotations
@@ -39,10 +42,10 @@ def stop_reason(run: Generation) -> str:
     return "max_tokens" if run.finish_reason == "length" else "end_turn"
 
 
-def usage_body(run: Generation) -> dict:
+def usage_body(run: Generation, output_tokens: int | None = None) -> dict:
     return {
         "input_tokens": run.prompt_tokens - run.cached_tokens,
-        "output_tokens": run.completion_tokens,
+        "output_tokens": run.completion_tokens if output_tokens is None else output_tokens,
         "cache_read_input_tokens": run.cached_tokens,
         "cache_creation_input_tokens": 0,
     }
@@ -76,7 +79,7 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
     async def messages(request: Request):
         arrival = time.monotonic()
         req: MessagesRequest = await front.parse(request, MessagesRequest)
-        ids = await front.chat_ids(req.template_messages())
+        ids = await front.chat_ids(req.template_messages(), continue_final=True)
         rid, model = new_id("msg_"), front.engine.model_name
         gen = front.gen_request(rid, ids, req.max_tokens, req.sampling())
         run = Generation(front, request, gen, req.stop_sequences, arrival)
@@ -85,7 +88,7 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         if req.stream:
             start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
                      "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": len(ids), "output_tokens": 0}}
+                     "usage": usage_body(run, output_tokens=0)}
             return sse_response(_events(run, start), run)
 
         text, _ = await run.text()
@@ -99,6 +102,6 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
     @router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
     async def count_tokens(request: Request):
         req: CountTokensRequest = await front.parse(request, CountTokensRequest)
-        return {"input_tokens": len(await front.chat_ids(req.template_messages()))}
+        return {"input_tokens": len(await front.chat_ids(req.template_messages(), continue_final=True))}
 
     return router

@@ -13,7 +13,12 @@ Rules:
 - The engine iterator is closed in every way out: the end, a matched stop string, an error, a client that
   disconnects (watched on the ASGI `receive` channel, so a request still queued or prefilling is cancelled
   too), or the task being cancelled. Closing it is what frees the slot.
-- Text that could still become a stop string is held back; a matched stop is cut and never sent.
+- Text that could still become a stop string is held back; a matched stop is cut and never sent. A token's
+  logprob goes out with the first character of its text; after a stop, the tokens whose text starts at or
+  past the stop string are neither reported (logprobs) nor counted (`completion_tokens`): usage and logprobs
+  cover the tokens of the text returned.
+- `cached_tokens` is known from the first event when the engine says it there (TokenEvent.cached_tokens),
+  so a stream can report the prompt's cache split at its start; Finished has the last word.
 - Timing for the metrics: arrival -> first token (TTFT), token -> token (ITL), arrival -> end (E2E).
 - A prompt text of `LARGE_TEXT_CHARS` or more is tokenized in a worker thread with the GIL released
   (`encode_batch`; plain `encode` holds it), so a multi-megabyte prompt does not stall every other stream.
@@ -21,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import inspect
 import json
 import logging
@@ -163,13 +169,33 @@ class Front:
             message, param = validation_message(err)
             raise ApiError.bad_request(message, param=param) from None
 
-    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def chat_ids(self, messages: list[dict], continue_final: bool = False) -> list[int]:
         """The rendered chat prompt as token ids (as `Tokenizer.chat_ids`); a template that refuses the
-        messages is a 400."""
+        messages is a 400.
+
+        `continue_final` (Anthropic's prefill): when the last message is the assistant's, the prompt ends
+        inside that turn, right after its content, and the completion continues it. As transformers'
+        `continue_final_message`: render without a generation prompt, cut after the last occurrence of the
+        content. An empty final assistant message asks for nothing (the assistant turn simply starts); one
+        that ends in whitespace, or that the template rewrites, is a 400.
+        """
+        final = messages[-1] if messages and continue_final and messages[-1]["role"] == "assistant" else None
+        if final is not None and not final["content"]:
+            messages, final = messages[:-1], None
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=final is None)
         except ChatTemplateError as err:  # raise_exception in the template: the client's messages did it
             raise ApiError.bad_request(str(err), param="messages") from None
+        if final is not None:
+            content = final["content"]
+            if content != content.rstrip():
+                raise ApiError.bad_request("the final assistant message (a prefill) must not end with whitespace",
+                                           param="messages")
+            cut = text.rfind(content.strip())
+            if cut < 0:
+                raise ApiError.bad_request("the final assistant message (a prefill) cannot be continued: this "
+                                           "model's chat template rewrites it", param="messages")
+            text = text[: cut + len(content.strip())]
         return await self.encode(text)
 
     async def encode(self, text: str) -> list[int]:
@@ -181,12 +207,13 @@ class Front:
         return list(encodings[0].ids)
 
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
-                    logprobs: int = 0, ignore_eos: bool = False) -> GenRequest:
+                    logprobs: int = 0, ignore_eos: bool = False, prompt_param: str = "messages") -> GenRequest:
         """A GenRequest that fits `max_context`; `max_tokens` defaults to what the prompt leaves free.
         The tokenizer's eos ids end it, unless `ignore_eos` (then only max_tokens, or a stop string, does).
 
-        Refused here (400 `context_length_exceeded`, message naming both numbers): a prompt that fills the
-        context, or a prompt plus `max_tokens` beyond it.
+        Refused here: a prompt that fills the context, or a prompt plus `max_tokens` beyond it (400
+        `context_length_exceeded`, message naming both numbers, param `prompt_param`: the field that holds
+        the prompt); a prompt or `logit_bias` token id outside the vocabulary, a logit_bias that bans it all.
         """
         if not prompt:
             raise ApiError.bad_request("the prompt is empty", param="prompt")
@@ -199,15 +226,24 @@ class Front:
                     400, "context_length_exceeded",
                     f"This model's maximum context length is {limit} tokens. However, your prompt has "
                     f"{len(prompt)} tokens, which leaves no room for a completion.",
-                    type="invalid_request_error", param="messages",
+                    type="invalid_request_error", param=prompt_param,
                 )
         elif len(prompt) + max_tokens > limit:
             self.metrics.refused("context_length_exceeded")
-            raise EngineError.context_length(len(prompt), max_tokens, limit)
+            err = EngineError.context_length(len(prompt), max_tokens, limit)
+            err.param = prompt_param
+            raise err
+        vocab = self.tokenizer.vocab_size
         for t in prompt:
-            if not 0 <= t < self.tokenizer.vocab_size:
-                raise ApiError.bad_request(f"token id {t} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                                           param="prompt")
+            if not 0 <= t < vocab:
+                raise ApiError.bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param="prompt")
+        bias = sampling.get("logit_bias") or []
+        for t, _ in bias:
+            if t >= vocab:
+                raise ApiError.bad_request(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})",
+                                           param="logit_bias")
+        if sum(1 for _, b in bias if b <= -100) >= vocab:
+            raise ApiError.bad_request("logit_bias: it bans every token of the vocabulary", param="logit_bias")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids)
         return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs)
 
@@ -240,7 +276,10 @@ class Generation:
         self.completion_tokens = 0
         self._detok = IncrementalDetokenizer(front.tokenizer)
         self._stop = StopStrings(self.stops)
-        self._pending_lp: list[TokenLogprob] = []
+        self._chars_in = 0  # text the detokenizer has given (fed to the stop strings)
+        self._chars_out = 0  # text sent to the client
+        self._starts: list[int] = []  # with stop strings, per token: where its text starts (detokenized)
+        self._pending_lp: list[tuple[int, TokenLogprob]] = []  # (start, entry), waiting for its text to go out
         self._last_token_at: float | None = None
         self._it: Any = None
         self._next_task: asyncio.Task | None = None
@@ -257,6 +296,9 @@ class Generation:
             self._it = (await it) if inspect.isawaitable(it) else it
             self._watch = asyncio.ensure_future(_wait_disconnect(self.request))
             self._first = await self._next()
+            cached = getattr(self._first, "cached_tokens", None)
+            if cached is not None:
+                self.cached_tokens = cached
         except EngineError:
             self._ended = "refused"  # not started: neither finished nor aborted
             await self.close()
@@ -344,37 +386,52 @@ class Generation:
         self.completion_tokens += 1
         if event.token in self.gen.stop_token_ids:
             return None
+        if self.stops:
+            self._starts.append(self._chars_in)
         if self.want_logprobs:
-            self._pending_lp.append(TokenLogprob(event.token, event.logprob, list(event.top or [])))
-        emit = self._feed(self._detok.push(event.token))
-        if emit or (self.finish_reason is not None and self._pending_lp):
-            return self._delta(emit)
-        return None
+            self._pending_lp.append((self._chars_in, TokenLogprob(event.token, event.logprob, list(event.top or []))))
+        delta = self._delta(self._feed(self._detok.push(event.token)))
+        return delta if delta.text or delta.logprobs else None
 
     def _feed(self, text: str) -> str:
-        """Passes text through the stop strings; returns what may be sent, and notes a matched stop."""
+        """Passes detokenized text through the stop strings; returns what may be sent. At a matched stop,
+        `completion_tokens` becomes the count of tokens whose text starts before it."""
+        self._chars_in += len(text)
         emit, stopped = self._stop.feed(text)
+        self._chars_out += len(emit)
         if stopped and self.finish_reason is None:
             self.finish_reason = "stop"
             self.stop_sequence = self._stop.matched
+            self.completion_tokens = bisect.bisect_left(self._starts, self._chars_out)
         return emit
 
-    def _delta(self, text: str) -> Delta:
-        lp, self._pending_lp = self._pending_lp, []
+    def _delta(self, text: str, final: bool = False) -> Delta:
+        """`text` with the logprobs of the tokens whose text has begun to go out (all of them at the `final`
+        delta of a request no stop string ended); after a stop, the rest are dropped."""
+        stopped = self._stop.stopped
+        if final and not stopped:
+            n = len(self._pending_lp)
+        else:
+            n = bisect.bisect_left(self._pending_lp, self._chars_out, key=lambda e: e[0])
+        lp = [e for _, e in self._pending_lp[:n]]
+        self._pending_lp = [] if stopped else self._pending_lp[n:]
         return Delta(text, lp)
 
     def _finish(self, event: Finished) -> Delta:
-        """The engine's last event: flush the held text, take its counts as the truth."""
+        """The engine's last event: flush the held text, take its counts as the truth (unless a stop string
+        matched in the flushed text: then the tokens before it)."""
         text = self._feed(self._detok.flush())
         if self.finish_reason is None:
-            text += self._stop.flush()
+            tail = self._stop.flush()
+            self._chars_out += len(tail)
+            text += tail
             self.finish_reason = event.reason
+            self.completion_tokens = event.completion_tokens
         self.truncated = event.truncated
         self.prompt_tokens = event.prompt_tokens
         self.cached_tokens = event.cached_tokens
-        self.completion_tokens = event.completion_tokens
         self._record_end()
-        return self._delta(text)
+        return self._delta(text, final=True)
 
     def _record_end(self) -> None:
         self.front.metrics.finished(self.finish_reason or "stop", time.monotonic() - self.arrival,

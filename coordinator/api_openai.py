@@ -102,7 +102,7 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         arrival = time.monotonic()
         req: ChatRequest = await front.parse(request, ChatRequest)
         front.check_model(req.model)
-        ids = await front.chat_ids([m.as_template_message() for m in req.messages], req.tools)
+        ids = await front.chat_ids([m.as_template_message() for m in req.messages])
         rid, created, model = new_id("chatcmpl-"), int(time.time()), front.engine.model_name
         gen = front.gen_request(rid, ids, req.completion_limit, req.sampling(), logprobs=req.num_top_logprobs,
                                 ignore_eos=req.ignore_eos)
@@ -143,7 +143,7 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
         rid, created, model = new_id("cmpl-"), int(time.time()), front.engine.model_name
         want_lp = req.logprobs is not None
         gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), logprobs=req.logprobs or 0,
-                                ignore_eos=req.ignore_eos)
+                                ignore_eos=req.ignore_eos, prompt_param="prompt")
         run = Generation(front, request, gen, req.stop, arrival, want_logprobs=want_lp)
         await run.start()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
-SAMPLING_DEFAULTS: dict[str, float | int | None] = {
+SAMPLING_DEFAULTS: dict[str, float | int | list | None] = {
     "temperature": 1.0,  # 0 = greedy
     "top_p": 1.0,
     "top_k": 0,  # 0 = off
@@ -33,6 +33,7 @@ SAMPLING_DEFAULTS: dict[str, float | int | None] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
+    "logit_bias": None,  # [[token id, bias], ...], bias in [-100, 100], -100 bans; None = no bias
 }
 """The keys of `GenRequest.sampling`, with the values that change nothing."""
 
@@ -55,11 +56,16 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One sampled token; `logprob` of the token and `top` [(id, logprob), ...] best first, when asked."""
+    """One sampled token; `logprob` of the token and `top` [(id, logprob), ...] best first, when asked.
+
+    `cached_tokens`, on a request's first TokenEvent, is what its Finished will report (the prefill is done
+    by then), so a stream can state the prompt's cache split at its start; None where the engine does not say.
+    """
 
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -301,7 +301,8 @@ class Scheduler:
                 self._finish(job, "stop")
                 continue
             job.tokens.append(token)
-            job.events.put_nowait(TokenEvent(token, logprob, [tuple(t) for t in top] if top else None))
+            job.events.put_nowait(TokenEvent(token, logprob, [tuple(t) for t in top] if top else None,
+                                             cached_tokens=job.cached if job.generated == 1 else None))
             if job.generated >= job.req.max_tokens:
                 self._finish(job, "length")
 

@@ -1,10 +1,19 @@
 """Request bodies of the OpenAI and Anthropic routes, as pydantic models.
 
 Rules:
-- Unknown fields are ignored (clients send many we do not use), known fields are checked: a wrong type or
-  range becomes HTTP 400 whose message names the field (`validation_message`), never FastAPI's 422.
+- Every field of the OpenAI and Anthropic APIs either works or is refused: a wrong type or range, or a
+  feature this server does not have yet, becomes HTTP 400 whose message and `param` name the field
+  (`validation_message`), never FastAPI's 422 and never a silent no-op. A field of a feature not implemented
+  yet (unsupported_fields.py: tools, response formats, thinking, ...) passes only when null or at a value
+  that asks for nothing (`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`); the same
+  goes for vLLM's and llama.cpp's extensions that clients written for those servers send. Fields that only describe the
+  request (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, Anthropic `cache_control` markers:
+  the prefix cache here is automatic) are type-checked and change nothing by their own definition. Names
+  that belong to neither API are ignored.
 - Message content arrives as a string or a list of text parts; it is normalised to one string here, and any
   other part type (images, tool blocks) is refused with a message naming it.
+- `logit_bias` (OpenAI routes): at most `MAX_LOGIT_BIAS` entries {"token id": bias}, bias in [-100, 100];
+  -100 bans the token (stages/sampling.py). The ids are checked against the vocabulary by the front.
 - Only what the engine can do is accepted: n == 1, at most `MAX_STOPS_OPENAI` stop strings (OpenAI's own
   limit), at most `MAX_STOPS_ANTHROPIC` stop sequences, one prompt per completion request.
 - Numbers travel to the stages in msgpack and torch tensors, so every one is bounded here: `seed` and `top_k`
@@ -21,15 +30,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator,
+                      model_validator)
 from pydantic.json_schema import models_json_schema
 
+from . import unsupported_fields as unsupported
 from .engine import SAMPLING_DEFAULTS
 
 MAX_STOPS_OPENAI = 4
 MAX_STOPS_ANTHROPIC = 16
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias: they travel in the step header that starts it
+MAX_BIAS = 100.0
 GREEDY_BELOW = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -63,6 +76,9 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     return "; ".join(p for p, _ in problems), first_param
 
 
+_TOOL_PARTS = frozenset({"tool_use", "tool_result", "server_tool_use", "mcp_tool_use", "mcp_tool_result"})
+
+
 def _join_text_parts(value: Any, what: str) -> Any:
     """A string stays; a list of {"type": "text", "text": ...} parts becomes their texts joined with "\\n"
     (as vLLM and `tokenizer.normalize_messages` join them)."""
@@ -73,6 +89,8 @@ def _join_text_parts(value: Any, what: str) -> Any:
         if not isinstance(part, dict):
             raise ValueError(f"{what} part {i} must be an object")
         kind = part.get("type")
+        if kind in _TOOL_PARTS:
+            raise ValueError(f"{what} part {i} has type {kind!r}: tool use is not supported yet by this server")
         if kind != "text":
             raise ValueError(f"{what} part {i} has type {kind!r}; only 'text' parts are supported")
         text = part.get("text")
@@ -104,6 +122,7 @@ class _Body(BaseModel):
 # ---- OpenAI ------------------------------------------------------------------------------------------
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: unsupported.Obfuscation = None
 
 
 class _OpenAISampling(_Body):
@@ -121,8 +140,46 @@ class _OpenAISampling(_Body):
     stop: str | list[str] | None = Field(None, validate_default=True, **_stops_schema(MAX_STOPS_OPENAI, True))
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"anyOf": [{
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}}, _NULL]})
     user: str | None = None
     ignore_eos: bool = False
+    # what this server does not do yet (see the module docstring)
+    response_format: unsupported.ResponseFormat = None
+    service_tier: unsupported.ServiceTier = None
+    min_tokens: unsupported.MinTokens = None
+    stop_token_ids: unsupported.StopTokenIds = None
+    include_stop_str_in_output: unsupported.IncludeStop = None
+    skip_special_tokens: unsupported.SkipSpecial = None
+    spaces_between_special_tokens: unsupported.SkipSpecial = None
+    prompt_logprobs: unsupported.PromptLogprobs = None
+    bad_words: unsupported.BadWords = None
+    allowed_token_ids: unsupported.AllowedTokens = None
+    use_beam_search: unsupported.BeamSearch = None
+    length_penalty: unsupported.LengthPenalty = None
+    typical_p: unsupported.TypicalP = None
+    guided_json: unsupported.Guided = None
+    guided_regex: unsupported.Guided = None
+    guided_choice: unsupported.Guided = None
+    guided_grammar: unsupported.Guided = None
+    structured_outputs: unsupported.Guided = None
+    grammar: unsupported.Guided = None
+    json_schema: unsupported.Guided = None
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are supported, got {len(v)}")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"a bias must be in [-100, 100], got {bias} for token {key}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -144,6 +201,7 @@ class _OpenAISampling(_Body):
             if value is not None:
                 out[key] = value
         out["top_k"] = max(0, out["top_k"])
+        out["logit_bias"] = sorted([int(k), b] for k, b in self.logit_bias.items()) if self.logit_bias else None
         return _greedy_floor(out)
 
     @property
@@ -163,6 +221,18 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent | None = None
     name: str | None = None
+    tool_calls: unsupported.ToolCalls = None
+    tool_call_id: unsupported.ToolCallId = None
+    function_call: unsupported.MessageFunctionCall = None
+    audio: unsupported.MessageAudio = None
+    refusal: unsupported.Refusal = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_role(cls, v: str) -> str:
+        if v == "tool":
+            raise ValueError("tool messages: tool calling is not supported yet by this server")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -190,7 +260,35 @@ class ChatRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict] | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    tools: unsupported.Tools = None
+    tool_choice: unsupported.ToolChoice = None
+    parallel_tool_calls: unsupported.ParallelToolCalls = None
+    functions: unsupported.Functions = None
+    function_call: unsupported.FunctionCall = None
+    audio: unsupported.Audio = None
+    modalities: unsupported.Modalities = None
+    prediction: unsupported.Prediction = None
+    reasoning_effort: unsupported.Reasoning = None
+    verbosity: unsupported.Verbosity = None
+    web_search_options: unsupported.WebSearch = None
+    moderation: unsupported.Moderation = None
+    store: unsupported.Store = None
+    prompt_cache_retention: unsupported.PromptCacheControl = None
+    prompt_cache_options: unsupported.PromptCacheControl = None
+    chat_template_kwargs: unsupported.TemplateKwargs = None
+    add_generation_prompt: unsupported.GenerationPrompt = None
+    continue_final_message: unsupported.ContinueFinal = None
+    echo: unsupported.ChatEcho = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("is only allowed with logprobs: true")
+        return v
 
     @property
     def completion_limit(self) -> int | None:
@@ -260,6 +358,15 @@ class _AnthropicPrompt(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: TextContent | None = None
+    cache_control: dict | None = None  # the prefix cache is automatic: a marker changes nothing
+    tools: unsupported.Tools = None
+    tool_choice: unsupported.AnthropicToolChoice = None
+    thinking: unsupported.Thinking = None
+    output_config: unsupported.OutputConfig = None
+    speed: unsupported.Speed = None
+    mcp_servers: unsupported.McpServers = None
+    context_management: unsupported.ContextManagement = None
+    workspace_id: unsupported.Workspace = None
 
     @field_validator("system", mode="before")
     @classmethod
@@ -279,6 +386,11 @@ class MessagesRequest(_AnthropicPrompt):
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict | None = None
+    user_profile_id: str | None = None
+    service_tier: unsupported.AnthropicServiceTier = None
+    container: unsupported.Container = None
+    diagnostics: unsupported.Diagnostics = None
+    inference_geo: unsupported.InferenceGeo = None
 
     @field_validator("stop_sequences", mode="after")
     @classmethod

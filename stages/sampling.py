@@ -1,4 +1,4 @@
-"""Token sampling on the last stage: penalties, temperature, top-k, top-p, min-p, per-slot seeds.
+"""Token sampling on the last stage: logit bias, penalties, temperature, top-k, top-p, min-p, per-slot seeds.
 
 A request's sampling parameters arrive once, in the step header that starts it (`Sampler.reset`); every
 later step only says which slots to sample. The sampler keeps, per slot, the parameters, a
@@ -6,6 +6,8 @@ later step only says which slots to sample. The sampler keeps, per slot, the par
 each was generated.
 
 Order (one row of logits, float32):
+  0. logit_bias: x[id] += bias for each (id, bias) of the request (OpenAI's `logit_bias`, bias in
+                 [-100, 100]); a bias of -100 bans the token (x[id] = -inf: it is never sampled, greedy or not);
   1. penalties:  repetition (transformers' rule, over prompt + generated tokens: a seen token's logit
                  x becomes x * r if x < 0 else x / r), then
                  x -= frequency_penalty * count + presence_penalty * (count > 0)
@@ -15,17 +17,17 @@ Order (one row of logits, float32):
   3. top_k (0 = off; ties with the k-th logit are kept), 4. top_p (1 = off), 5. min_p (0 = off),
      each as transformers' TopK/TopP/MinPLogitsWarper does it;
   6. sample from softmax of what is left.
-The reported logprob of a token (sampled or in the top list) is log_softmax of the logits after step 2,
-before any filter: it says how likely the model (with penalties and temperature) found the token, not how
-likely the truncated distribution made it. Greedy rows use temperature 1 for it.
+The reported logprob of a token (sampled or in the top list) is log_softmax of the logits after steps 0-2,
+before any filter: it says how likely the model (with bias, penalties and temperature) found the token, not
+how likely the truncated distribution made it. Greedy rows use temperature 1 for it.
 
 Reproducibility: a row draws exactly one uniform number from its slot's own CPU generator per sampled
 token and picks the token by inverse CDF, so a seed gives the same tokens whatever else is in the batch
 and on any device (up to the logits themselves). Rows whose parameters are the defaults pass through every
 step unchanged (x / 1, x - 0, no mask), so the batch is processed as one tensor without per-row branches.
-A batch whose rows are all greedy and unpenalised (the common decode step) skips the steps that cannot
-change anything for it: its tokens are the argmax of the logits and its logprobs one log_softmax, the same
-values the full path gives.
+A batch whose rows are all greedy, unbiased and unpenalised (the common decode step) skips the steps that
+cannot change anything for it: its tokens are the argmax of the logits and its logprobs one log_softmax,
+the same values the full path gives.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_BIAS = 100.0  # OpenAI's range of a logit_bias value is [-MAX_BIAS, MAX_BIAS]; -MAX_BIAS bans the token
 
 SampleResult = tuple[int, float, list[tuple[int, float]]]
 
@@ -56,8 +59,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -103,6 +108,30 @@ class SamplingParams:
     def penalised(self) -> bool:
         return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
 
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias)
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (id, bias) pairs: from pairs (the wire's [[id, bias], ...]) or a mapping; a later
+    pair for the same id wins. Ids are integers >= 0, biases finite numbers in [-MAX_BIAS, MAX_BIAS]."""
+    if not isinstance(value, (Mapping, list, tuple)):
+        raise ValueError(f"sampling.logit_bias must be [[token id, bias], ...], got {value!r}")
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"sampling.logit_bias entries must be [token id, bias] pairs, got {item!r}")
+        token, bias = item
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"sampling.logit_bias: token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ValueError(f"sampling.logit_bias: a bias must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                             f"got {bias!r} for token {token}")
+        out[token] = float(bias)
+    return tuple(out.items())
+
 
 class Sampler:
     """Per-slot sampling state for `n_slots` decode slots over a vocabulary of `vocab` logits."""
@@ -125,6 +154,9 @@ class Sampler:
         # n_slots * vocab * 5 bytes). Rows of unpenalised slots stay zero and are never read meaningfully.
         self._seen: torch.Tensor | None = None  # prompt + generated tokens (repetition penalty)
         self._counts: torch.Tensor | None = None  # generated tokens only (presence / frequency)
+        # Per slot (ids, biases) on the device, bans as -inf; None without a logit_bias. Sparse: a request
+        # biases a few tokens, and a dense [n_slots, vocab] row would be 4 * vocab bytes per slot.
+        self._bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_slots
 
     def reset(self, slot: int, params: Mapping[str, Any] | SamplingParams, history: Sequence[int] = ()) -> None:
         """Start a request on `slot`: its parameters, a generator seeded with `seed` (a fresh random seed
@@ -132,6 +164,7 @@ class Sampler:
         p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.n_slots})")
+        bias = self._bias_row(p)
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.params[slot], self.seeds[slot] = p, seed
         self._generators[slot] = torch.Generator().manual_seed(seed)
@@ -139,6 +172,7 @@ class Sampler:
                            (self._min_p, p.min_p), (self._presence, p.presence_penalty),
                            (self._frequency, p.frequency_penalty), (self._repetition, p.repetition_penalty)):
             row[slot] = value
+        self._bias[slot] = bias
         if p.penalised and self._seen is None:
             self._seen = torch.zeros(self.n_slots, self.vocab, dtype=torch.bool, device=self.device)
             self._counts = torch.zeros(self.n_slots, self.vocab, dtype=torch.int32, device=self.device)
@@ -149,11 +183,28 @@ class Sampler:
             if ids:
                 self._seen[slot, torch.tensor(ids, dtype=torch.long, device=self.device)] = True
 
+    def _bias_row(self, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A request's logit_bias as device tensors; refused: an id past the vocabulary, every token banned."""
+        if not p.biased:
+            return None
+        ids = [t for t, _ in p.logit_bias]
+        if max(ids) >= self.vocab:
+            raise ValueError(f"sampling.logit_bias: token id {max(ids)} is outside the vocabulary [0, {self.vocab})")
+        values = [-math.inf if b <= -MAX_BIAS else b for _, b in p.logit_bias]
+        if sum(1 for v in values if v == -math.inf) >= self.vocab:
+            raise ValueError("sampling.logit_bias bans every token of the vocabulary")
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(values, dtype=torch.float32, device=self.device))
+
     def penalise(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Step 1 on float32 logits [B, V] (a new tensor); unpenalised rows come back unchanged."""
-        x = logits.float()
+        """Steps 0-1 on float32 logits [B, V] (a new tensor); unbiased, unpenalised rows come back unchanged."""
+        x = logits.float().clone()
+        for row, slot in enumerate(slots):
+            bias = self._bias[slot]
+            if bias is not None:
+                x[row].index_add_(0, bias[0], bias[1])
         if self._seen is None or not any(self._slot(s).penalised for s in slots):
-            return x.clone()
+            return x
         idx = torch.tensor(slots, dtype=torch.long, device=x.device)
         r = self._repetition[idx, None]
         x = torch.where(self._seen[idx], torch.where(x < 0, x * r, x / r), x)
@@ -186,8 +237,8 @@ class Sampler:
 
     def distribution(self, logits: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs, logprobs) per row of `logits` [B, V]: the distribution a token is drawn from after
-        steps 1-5 (one-hot at the argmax of the penalised logits for greedy rows) and the reported
-        logprobs (log_softmax after steps 1-2)."""
+        steps 0-5 (one-hot at the argmax of the biased, penalised logits for greedy rows) and the reported
+        logprobs (log_softmax after steps 0-2)."""
         self._check_shape(logits, slots)
         params = [self._slot(s) for s in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=logits.device)
@@ -209,9 +260,9 @@ class Sampler:
         most likely first (empty when 0), and records each token in its slot's state.
         """
         params = [self._slot(s) for s in slots]
-        if all(p.greedy and not p.penalised for p in params):
+        if all(p.greedy and not p.penalised and not p.biased for p in params):
             # What `distribution` gives for such rows, without its one-hot: the argmax of the logits and the
-            # log_softmax at temperature 1 (x / 1 and the unpenalised copy change no value).
+            # log_softmax at temperature 1 (x / 1 and the unbiased, unpenalised copy change no value).
             self._check_shape(logits, slots)
             x = logits.float()
             tokens, logprobs = x.argmax(dim=-1), x.log_softmax(dim=-1)

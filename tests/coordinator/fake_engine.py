@@ -8,7 +8,7 @@ Knobs, set by a test and put back by `reset()`:
   fail_after    raise `fail_with` after this many tokens (an error mid-stream)
   hang_after    after this many tokens, wait forever (until the request is cancelled)
   truncate      end with reason "length" and truncated=True after `truncate_after` tokens
-  cached_tokens reported in Finished
+  cached_tokens reported in Finished, and on the first TokenEvent unless `cached_at_start` is False
   stages_up     what health() reports
   kv_window     the per-stage device window entries of live_metrics() (`KV_WINDOW`)
 `closed` lists the request ids whose iterator ended, for any reason (normally, closed, cancelled): the
@@ -61,6 +61,7 @@ class FakeEngine:
         self.hang_after: int | None = None
         self.truncate_after: int | None = None
         self.cached_tokens = 0
+        self.cached_at_start = True
         self.stages_up = [True, True]
         self.running = 0
         self.counters = {"evictions": 3, "refusals": {"kv_pool_full": 2}, "truncations": 1}
@@ -99,7 +100,8 @@ class FakeEngine:
                     raise self.fail_with
                 if sent == self.hang_after:
                     await asyncio.Event().wait()
-                yield TokenEvent(token, -0.25, self._top(token, req.logprobs))
+                cached = self.cached_tokens if sent == 0 and self.cached_at_start else None
+                yield TokenEvent(token, -0.25, self._top(token, req.logprobs), cached_tokens=cached)
                 sent += 1
                 await asyncio.sleep(0.001)
             yield Finished("length", False, len(req.prompt), self.cached_tokens, sent)  # ignore_eos: script spent
@@ -194,9 +196,10 @@ class Stack:
 
 
 @contextmanager
-def running_front(tokenizer, max_context: int = 256, **coordinator: Any) -> Iterator[Stack]:
+def running_front(tokenizer, max_context: int = 256, model_name: str = "tiny-test",
+                  **coordinator: Any) -> Iterator[Stack]:
     """make_app over a FakeEngine, served; `coordinator` keys override the config's coordinator section."""
-    engine = FakeEngine(tokenizer, max_context=max_context)
+    engine = FakeEngine(tokenizer, max_context=max_context, model_name=model_name)
     cfg = config_from_dict({"coordinator": coordinator})
     app = make_app(cfg, engine, tokenizer)
     with serve(app, cfg) as url:

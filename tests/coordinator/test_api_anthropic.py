@@ -201,3 +201,121 @@ def test_api_key_enforced(tokenizer):
         good = anthropic.Anthropic(base_url=s.url, api_key="sekret", max_retries=0)
         assert good.messages.create(model="m", max_tokens=5, messages=MSGS).usage.output_tokens == 5
         assert good.messages.count_tokens(model="m", messages=MSGS).input_tokens > 0
+
+
+# ---- what is not supported yet, and the no-op values clients send --------------------------------------
+TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {}}}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "20 C"}]},
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("patch, words", [
+    ({"tools": [TOOL]}, "tools: tool calling is not supported yet"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice: tool use is not supported yet"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking: extended thinking is not supported yet"),
+    ({"thinking": {"type": "adaptive"}}, "thinking:"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config:"),
+    ({"speed": "fast"}, "speed:"),
+    ({"messages": TOOL_TURNS[:2]}, "messages.1.content: content block part 0 has type 'tool_use': tool use is not"),
+    ({"messages": TOOL_TURNS}, "tool use is not supported yet"),
+    ({"messages": [TOOL_TURNS[2]]}, "type 'tool_result': tool use is not supported yet"),
+])
+def test_what_is_not_supported_yet_is_a_400_in_anthropic_shape(env, path, patch, words):
+    r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS, **patch}, path=path)
+    assert r.status_code == 400
+    got = r.json()
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert words in got["error"]["message"], got
+    assert env.engine.requests == []
+
+
+@pytest.mark.parametrize("patch", [{"service_tier": "priority"}, {"container": "c-1"}, {"inference_geo": "eu"},
+                                   {"mcp_servers": [{"type": "url", "url": "x", "name": "m"}]}])
+def test_what_only_messages_take_is_refused_there(env, patch):
+    r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS, **patch})
+    assert r.status_code == 400 and next(iter(patch)) + ":" in r.json()["error"]["message"]
+
+
+def test_the_official_client_raises_for_tools(env, client):
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model="m", max_tokens=10, messages=MSGS, tools=[TOOL])
+    assert "tools: tool calling is not supported yet" in exc.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="m", max_tokens=10, messages=MSGS, thinking={"type": "enabled",
+                                                                                  "budget_tokens": 1024})
+    assert env.engine.requests == []
+
+
+def test_values_that_ask_for_nothing_are_served(env, client):
+    msg = client.messages.create(model="m", max_tokens=100, system=SYSTEM, messages=MSGS, tools=[],
+                                 tool_choice={"type": "none"}, thinking={"type": "disabled"},
+                                 metadata={"user_id": "u-1"}, service_tier="auto",
+                                 extra_body={"cache_control": {"type": "ephemeral"}})
+    assert msg.content[0].text == SCRIPT_TEXT
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS)
+    marked = [{"type": "text", "text": "Say hello.", "cache_control": {"type": "ephemeral"}}]
+    client.messages.create(model="m", max_tokens=10, system=SYSTEM, messages=[{"role": "user", "content": marked}])
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS)
+
+
+# ---- usage: the stream's start agrees with its end and with the whole answer ---------------------------
+def test_stream_usage_at_the_start_agrees_with_the_end(env, client):
+    env.engine.cached_tokens = 4
+    prompt = len(env.tokenizer.chat_ids(TEMPLATE_MSGS))
+    whole = client.messages.create(model="m", max_tokens=100, system=SYSTEM, messages=MSGS).usage
+    raw = post(env, {"model": "m", "max_tokens": 100, "system": SYSTEM, "messages": MSGS, "stream": True})
+    datas = [json.loads(d) for _, d in parse_sse(raw.text)]
+    start, end = datas[0]["message"]["usage"], datas[-2]["usage"]
+    split = {"input_tokens": prompt - 4, "cache_read_input_tokens": 4, "cache_creation_input_tokens": 0}
+    assert {k: start[k] for k in split} == {k: end[k] for k in split} == split
+    assert (whole.input_tokens, whole.cache_read_input_tokens) == (prompt - 4, 4)
+    assert start["output_tokens"] == 0 and end["output_tokens"] == whole.output_tokens == len(env.engine.script)
+    with client.messages.stream(model="m", max_tokens=100, system=SYSTEM, messages=MSGS) as s:
+        final = s.get_final_message()
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (prompt - 4, 4)
+
+
+def test_stream_start_without_the_engines_cache_split_reports_the_whole_prompt(env):
+    env.engine.cached_tokens, env.engine.cached_at_start = 4, False
+    raw = post(env, {"model": "m", "max_tokens": 100, "messages": MSGS, "stream": True})
+    datas = [json.loads(d) for _, d in parse_sse(raw.text)]
+    prompt = len(env.tokenizer.chat_ids(MSGS))
+    assert datas[0]["message"]["usage"]["input_tokens"] == prompt
+    assert datas[0]["message"]["usage"]["cache_read_input_tokens"] == 0
+    assert datas[-2]["usage"]["input_tokens"] + datas[-2]["usage"]["cache_read_input_tokens"] == prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_tokens_after_a_stop_sequence_cover_the_text_returned(env, client, stream):
+    stop = " chunks"
+    text = SCRIPT_TEXT[: SCRIPT_TEXT.index(stop)]
+    returned = [t for i, t in enumerate(env.engine.script)
+                if len(env.tokenizer.decode(env.engine.script[:i])) < len(text)]
+    if stream:
+        with client.messages.stream(model="m", max_tokens=100, messages=MSGS, stop_sequences=[stop]) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(model="m", max_tokens=100, messages=MSGS, stop_sequences=[stop])
+    assert msg.content[0].text == text
+    assert msg.usage.output_tokens == len(returned)
+
+
+# ---- a final assistant message is a prefill ------------------------------------------------------------
+def test_a_final_assistant_message_is_continued(env, client):
+    prefill = "The best answer is ("
+    msgs = MSGS + [{"role": "assistant", "content": prefill}]
+    client.messages.create(model="m", max_tokens=10, messages=msgs)
+    rendered = env.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    want = env.tokenizer.encode(rendered[: rendered.rindex(prefill) + len(prefill)])
+    assert env.engine.requests[-1].prompt == want
+    assert env.tokenizer.decode(want).endswith("<|im_start|>assistant\n" + prefill)
+    assert client.messages.count_tokens(model="m", messages=msgs).input_tokens == len(want)
+    # An empty one asks for nothing: the assistant turn simply starts.
+    client.messages.create(model="m", max_tokens=10, messages=MSGS + [{"role": "assistant", "content": ""}])
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS)
+    r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS + [{"role": "assistant", "content": "So "}]})
+    assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]

@@ -62,7 +62,8 @@ def test_chat_not_streamed_text_usage_and_request(env, client):
     assert req.max_tokens == 256 - len(prompt)  # default: what the prompt leaves of max_context
     assert req.stop_token_ids == frozenset(env.tokenizer.eos_ids)
     assert req.sampling == {"temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7,
-                            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.1}
+                            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.1,
+                            "logit_bias": None}
     assert env.engine.wait_closed(resp.id, 2)
 
 
@@ -374,3 +375,165 @@ def test_slot_erase_actions(env):
     r = httpx.post(env.url + "/slots/0", params={"action": "explode"})
     assert r.status_code == 400 and "action" in r.json()["error"]["message"]
     assert env.engine.erased == [0, "all"]
+
+
+# ---- what is not supported yet, and the no-op values clients send --------------------------------------
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"function_call": {"name": "get_weather"}}, "function_call"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"verbosity": "low"}, "verbosity"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"store": True}, "store"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"stop_token_ids": [5]}, "stop_token_ids"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "tool", "content": "20 C", "tool_call_id": "call_1"}]}, "messages.0.role"),
+    ({"messages": MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]},
+     "messages.2.tool_calls"),
+])
+def test_what_is_not_supported_yet_is_a_400_naming_it(env, patch, param):
+    r = post(env, "/v1/chat/completions", {"model": "tiny-test", "messages": MSGS, **patch})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param + ": ")
+    assert env.engine.requests == []
+
+
+def test_the_official_client_raises_for_tools_and_response_formats(env, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny-test", messages=MSGS, tools=[TOOL])
+    assert exc.value.param == "tools" and "not supported yet" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny-test", messages=MSGS, response_format={"type": "json_object"})
+    assert exc.value.param == "response_format"
+    assert env.engine.requests == []
+
+
+def test_values_that_ask_for_nothing_are_served(env, client):
+    resp = client.chat.completions.create(
+        model="tiny-test", messages=MSGS, tools=[], tool_choice="none", parallel_tool_calls=False,
+        response_format={"type": "text"}, modalities=["text"], store=False, service_tier="auto", user="u-1",
+        metadata={"team": "a"}, safety_identifier="s-1", prompt_cache_key="k", stream_options=None,
+        extra_body={"functions": [], "function_call": "none", "min_tokens": 0, "skip_special_tokens": True,
+                    "length_penalty": 1})
+    assert resp.choices[0].message.content == SCRIPT_TEXT
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS)  # no tools rendered into the prompt
+    # An assistant turn echoed back with the null fields of a response message is an ordinary turn.
+    turn = {"role": "assistant", "content": "Hi.", "tool_calls": None, "function_call": None, "refusal": None,
+            "audio": None}
+    client.chat.completions.create(model="tiny-test", messages=MSGS + [turn, {"role": "user", "content": "More."}])
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(
+        MSGS + [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More."}])
+
+
+# ---- logit_bias --------------------------------------------------------------------------------------
+def test_logit_bias_reaches_the_engine_as_pairs(env, client):
+    client.chat.completions.create(model="tiny-test", messages=MSGS, logit_bias={"17": 3, "5": -100})
+    assert env.engine.requests[-1].sampling["logit_bias"] == [[5, -100.0], [17, 3.0]]
+    client.completions.create(model="tiny-test", prompt="Hi", max_tokens=2, logit_bias={"9": 100})
+    assert env.engine.requests[-1].sampling["logit_bias"] == [[9, 100.0]]
+    client.chat.completions.create(model="tiny-test", messages=MSGS, logit_bias={})
+    assert env.engine.requests[-1].sampling["logit_bias"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("bias, words", [
+    ({"5": 101}, "[-100, 100]"),
+    ({"5": -100.5}, "[-100, 100]"),
+    ({"five": 1}, "token ids"),
+    ({"-5": 1}, "token ids"),
+    ({"5": "1"}, "valid number"),
+    ({"100000": 1}, "outside the vocabulary"),
+    ({str(i): 1 for i in range(301)}, "at most 300"),
+])
+def test_logit_bias_out_of_range_is_a_400_naming_it(env, path, bias, words):
+    body = {"messages": MSGS} if path.endswith("chat/completions") else {"prompt": "Hi"}
+    r = post(env, path, {"model": "tiny-test", "logit_bias": bias, **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"].startswith("logit_bias") and words in err["message"], err
+    assert env.engine.requests == []
+
+
+# ---- models ------------------------------------------------------------------------------------------
+def test_models_retrieve(env, client):
+    got = client.models.retrieve("tiny-test")
+    assert got.id == "tiny-test" and got.object == "model" and got.owned_by == "strata"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-99")
+    assert exc.value.code == "model_not_found" and exc.value.param == "model"
+    assert exc.value.body["type"] == "invalid_request_error"
+
+
+def test_models_retrieve_a_name_with_a_slash(tokenizer):
+    with running_front(tokenizer, model_name="org/tiny-test") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        assert client.models.retrieve("org/tiny-test").id == "org/tiny-test"
+        assert httpx.get(s.url + "/v1/models/org/other").status_code == 404
+
+
+# ---- context length names the field that holds the prompt --------------------------------------------
+def test_context_length_error_names_prompt_on_completions(env, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny-test", prompt="Hi", max_tokens=300)
+    assert exc.value.code == "context_length_exceeded" and exc.value.param == "prompt"
+    r = post(env, "/v1/completions", {"model": "tiny-test", "prompt": list(range(1, 257))})
+    assert r.json()["error"]["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny-test", messages=MSGS, max_tokens=300)
+    assert exc.value.param == "messages"
+
+
+# ---- after a stop string, usage and logprobs cover the tokens returned ----------------------------------
+def tokens_before(env, stop: str) -> list[str]:
+    """The script's token texts that start before `stop` does (the tokens of the text returned)."""
+    cut, at, out = SCRIPT_TEXT.index(stop), 0, []
+    for t in env.engine.script:
+        if at >= cut:
+            break
+        out.append(env.tokenizer.decode([t]))
+        at += len(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("stop", [" pool h", "hunks"], ids=["at a token", "inside a token"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_after_a_stop_string_usage_and_logprobs_cover_only_the_tokens_returned(env, client, stop, stream):
+    want = tokens_before(env, stop)
+    text = SCRIPT_TEXT[: SCRIPT_TEXT.index(stop)]
+    if stream:
+        chunks = list(client.chat.completions.create(model="tiny-test", messages=MSGS, stop=stop, logprobs=True,
+                                                     stream=True, stream_options={"include_usage": True}))
+        got_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        usage = chunks[-1].usage
+    else:
+        resp = client.chat.completions.create(model="tiny-test", messages=MSGS, stop=stop, logprobs=True)
+        got_text, entries, usage = resp.choices[0].message.content, resp.choices[0].logprobs.content, resp.usage
+    assert got_text == text
+    assert [e.token for e in entries] == want
+    assert usage.completion_tokens == len(want)
+    legacy = client.completions.create(model="tiny-test", prompt="Hi", stop=stop, logprobs=1)
+    assert legacy.choices[0].text == text
+    assert legacy.choices[0].logprobs.tokens == want and legacy.usage.completion_tokens == len(want)

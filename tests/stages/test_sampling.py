@@ -241,3 +241,66 @@ def test_all_greedy_batch_gives_what_the_full_path_gives(penalty_state):
         assert top == list(zip(ids.tolist(), vals.tolist()))
     if penalty_state:
         assert s._counts[[0, 1, 2], want_tokens].tolist() == [1, 1, 1]
+
+
+def test_logit_bias_adds_exactly_and_minus_100_bans():
+    s = Sampler(2, V)
+    s.reset(0, {"temperature": 0, "logit_bias": [[3, 1.5], [7, -0.25], [9, -100]]})
+    base = torch.randint(-16, 16, (1, V)).float() / 4
+    got = s.penalise(base, [0])
+    want = base.clone()
+    want[0, 3] += 1.5
+    want[0, 7] -= 0.25
+    want[0, 9] = -math.inf
+    assert torch.equal(got, want)  # nothing else moves
+    s.reset(1, {}, history=[1])
+    assert torch.equal(s.penalise(base, [1]), base)  # an unbiased row is untouched
+
+
+def test_a_banned_token_is_never_sampled_and_plus_100_wins_under_greedy():
+    logits = _logits(1, seed=21)
+    top = int(logits.argmax())
+    low = int(logits.argmin())
+    s = Sampler(3, V)
+    s.reset(0, {"temperature": 0, "logit_bias": [[top, -100]]})
+    s.reset(1, {"temperature": 0, "logit_bias": [[low, 100]]})
+    s.reset(2, {"temperature": 1.0, "seed": 4, "logit_bias": [[top, -100]]})
+    (t0, _, _), (t1, _, _), _ = s.sample(logits.repeat(3, 1), [0, 1, 2])
+    masked = logits[0].clone()
+    masked[top] = -math.inf
+    assert t0 == int(masked.argmax()) != top
+    assert t1 == low
+    # A sampled row never draws a banned token, even where every token is as likely as it.
+    flat = torch.zeros(1, V)
+    drawn = {s.sample(flat, [2])[0][0] for _ in range(400)}
+    assert top not in drawn and len(drawn) > 10
+    probs, logprobs = s.distribution(flat, [2])
+    assert probs[0, top] == 0 and logprobs[0, top] == -math.inf
+
+
+def test_a_biased_greedy_batch_leaves_the_short_path():
+    logits = _logits(2, seed=13)
+    s = Sampler(2, V)
+    s.reset(0, {"temperature": 0, "logprobs": 2})
+    s.reset(1, {"temperature": 0, "logprobs": 2, "logit_bias": [[int(logits[1].argmin()), 100]]})
+    (t0, lp0, _), (t1, lp1, top1) = s.sample(logits, [0, 1])
+    assert t0 == int(logits[0].argmax()) and t1 == int(logits[1].argmin())
+    biased = logits[1].clone()
+    biased[t1] += 100
+    assert lp1 == pytest.approx(biased.log_softmax(-1)[t1].item(), abs=1e-6)  # the logprob includes the bias
+    assert top1[0][0] == t1
+
+
+def test_logit_bias_is_checked():
+    p = SamplingParams.from_dict({"logit_bias": [[5, 2], [5, -1.0], [8, 100]]})
+    assert p.logit_bias == ((5, -1.0), (8, 100.0)) and p.biased
+    assert SamplingParams.from_dict({"logit_bias": None}) == SamplingParams() and not SamplingParams().biased
+    for bad in ([[1, 100.5]], [[1, -101]], [[-1, 0]], [[1.5, 0]], [[1, "x"]], [[1, float("nan")]], [1], 7,
+                [[True, 1]]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams.from_dict({"logit_bias": bad})
+    s = Sampler(1, V)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.reset(0, {"logit_bias": [[V, 1]]})
+    with pytest.raises(ValueError, match="bans every token"):
+        s.reset(0, {"logit_bias": [[t, -100] for t in range(V)]})
