@@ -8,8 +8,10 @@ Rules:
   connection opening or of the previous response ending; a connection that is still sending then (a
   slowloris, a client that stalled) is closed. Partial data does not restart the clock, unlike the keep-alive
   timer. The body is bounded separately (`coordinator.max_body_bytes`, coordinator/api.py).
-- A client that half-closes its side after sending (EOF) still gets its answer: the transport stays open
-  for writing until the response is sent.
+- An EOF from the client ends its request (uvicorn's rule, kept): TCP cannot tell a client that half-closed
+  after sending from one that left, and a departed client's request must give its slot back at once, even
+  while it is queued or prefilling. So a half-closing client gets no answer; clients that keep their side
+  open (every HTTP library does) are unaffected.
 """
 from __future__ import annotations
 
@@ -39,10 +41,6 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state in _WHOLE:
             self._disarm()
-
-    def eof_received(self) -> bool:
-        """Keep the transport open for the answer: a half-closed client has finished sending, not left."""
-        return True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
