@@ -21,11 +21,15 @@ Rules:
   so a stream can report the prompt's cache split at its start; Finished has the last word.
 - Timing for the metrics: arrival -> first token (TTFT), token -> token (ITL), arrival -> end (E2E).
 - A prompt text of `LARGE_TEXT_CHARS` or more is tokenized in a worker thread with the GIL released
-  (`encode_batch`; plain `encode` holds it), so a multi-megabyte prompt does not stall every other stream.
+  (`encode_batch`; plain `encode` holds it), so a multi-megabyte prompt does not stall every other stream;
+  at most TOKENIZE_WORKERS such texts at once. Before any of it, a text longer than max_context x the
+  longest token (in characters) is refused (400 `context_length_exceeded`): it cannot fit, and tokenizing
+  it would cost ~150 bytes of memory per token.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import bisect
 import inspect
 import json
@@ -74,6 +78,7 @@ class Delta:
 
 
 LARGE_TEXT_CHARS = 1 << 16
+TOKENIZE_WORKERS = 2  # large texts tokenized at once; the others wait their turn (bounded memory)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -196,14 +201,35 @@ class Front:
                 raise ApiError.bad_request("the final assistant message (a prefill) cannot be continued: this "
                                            "model's chat template rewrites it", param="messages")
             text = text[: cut + len(content.strip())]
-        return await self.encode(text)
+        return await self.encode(text, param="messages")
 
-    async def encode(self, text: str) -> list[int]:
-        """`tokenizer.encode(text)`; a large text off the event loop (see the module docstring)."""
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token of the vocabulary in characters of its raw form: no token covers more characters
+        of a prompt (a byte-level token's raw form has one character per byte it stands for)."""
+        return max((len(t) for t in self.tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+
+    @functools.cached_property
+    def _tokenizing(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(TOKENIZE_WORKERS)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """`tokenizer.encode(text)`, after refusing a text too long to fit `max_context` whatever its tokens are;
+        a large text off the event loop, at most TOKENIZE_WORKERS at once (see the module docstring)."""
+        limit = self.engine.max_context * self.max_token_chars
+        if len(text) > limit:
+            self.metrics.refused("context_length_exceeded")
+            raise EngineError(
+                400, "context_length_exceeded",
+                f"This model's maximum context length is {self.engine.max_context} tokens, and no token is longer "
+                f"than {self.max_token_chars} characters, so a prompt of {len(text)} characters cannot fit. Please "
+                f"reduce the length of the prompt.", type="invalid_request_error", param=param)
         if len(text) < LARGE_TEXT_CHARS:
             return self.tokenizer.encode(text)
         backend = self.tokenizer.backend
-        encodings = await anyio.to_thread.run_sync(lambda: backend.encode_batch([text], add_special_tokens=False))
+        async with self._tokenizing:
+            encodings = await anyio.to_thread.run_sync(
+                lambda: backend.encode_batch([text], add_special_tokens=False))
         return list(encodings[0].ids)
 
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
