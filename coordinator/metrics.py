@@ -20,7 +20,9 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   strata:kv_window_steps_total, strata:kv_window_streamed_steps_total, strata:kv_window_hits_total,
   strata:kv_window_fills_total, strata:kv_window_stale_total, strata:kv_window_evictions_total,
   strata:kv_window_streamed_total, strata:kv_window_h2d_bytes_total, strata:kv_window_d2h_bytes_total
-  (none when no stage has a window; a stage's values are those of its last heartbeat answer).
+  (none when no stage has a window; a stage's values are those of its last heartbeat answer),
+  and per stage strata:stage_steps_total, strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
+  (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
 (`slot="parked:<table>"`).
 """
@@ -228,6 +230,26 @@ class _LiveCollector(Collector):
         yield CounterMetricFamily("strata:requests_truncated", "Requests ended early because the pool was full.",
                                   value=counters.get("truncations", 0))
         yield from _window_series(live.get("kv_window", []))
+        yield from _stage_series(live.get("stages", []))
+
+
+STAGE_COUNTERS = {
+    "stage_steps": ("steps_run", "Steps a stage has run."),
+    "stage_busy_seconds": ("busy_s", "Seconds a stage spent computing steps (busy / wall time = its busy fraction)."),
+    "stage_hidden_wait_seconds": ("hidden_wait_s", "Seconds a stage's steps waited for the previous stage's hidden "
+                                                   "states (the pipeline's bubble, seen from that stage)."),
+}
+
+
+def _stage_series(stages: list[dict]) -> Iterator[Metric]:
+    """strata:stage_* labelled by stage, from `live_metrics()["stages"]`."""
+    if not stages:
+        return
+    for name, (key, doc) in STAGE_COUNTERS.items():
+        fam = CounterMetricFamily(f"strata:{name}", doc, labels=["stage"])
+        for entry in stages:
+            fam.add_metric([str(entry["stage"])], entry.get(key, 0))
+        yield fam
 
 
 def _window_series(stages: list[dict]) -> Iterator[Metric]:

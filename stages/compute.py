@@ -83,7 +83,7 @@ class Compute(threading.Thread):
         self.session: str | None = None
         # Read by the I/O thread for every PONG; "kv_window" is replaced whole, never changed in place.
         self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False, "kv_window": None,
-                      "last_step": None}
+                      "last_step": None, "busy_s": 0.0, "hidden_wait_s": 0.0}
 
     def run(self) -> None:
         out = self.ctx.socket(zmq.PAIR)
@@ -193,7 +193,9 @@ class Compute(threading.Thread):
             return
         hidden = None
         if self.has_prev:
+            t0 = time.perf_counter()
             hidden_header, hidden_tensors, why = self.hidden.take(sid, epoch)
+            self.stats["hidden_wait_s"] += time.perf_counter() - t0  # the pipeline's bubble, seen from here
             if why is None and hidden_header.get("error"):
                 why = f"failed on an earlier stage: {hidden_header['error']}"
             if why is not None:
@@ -205,6 +207,7 @@ class Compute(threading.Thread):
             hidden = from_raw(hidden_tensors[0])
         tokens = from_raw(tensors[0]) if tensors else None
         self.stats["busy"] = True
+        t0 = time.perf_counter()
         try:
             out = self.runner.step(header, tokens, hidden)
         except Exception as err:  # noqa: BLE001 - one bad step must not take the stage down
@@ -212,6 +215,7 @@ class Compute(threading.Thread):
             return
         finally:
             self.stats["busy"] = False
+            self.stats["busy_s"] += time.perf_counter() - t0
             self._window_stats()
         self.stats["steps_run"] += 1
         if self.has_next:

@@ -275,9 +275,33 @@ async def run_level(client: httpx.AsyncClient, cfg: ServeConfig, concurrency: in
             results.append(await stream_request(client, cfg, [{"role": "user", "content": prompt}],
                                                 cfg.output_tokens))
 
+    before = await stage_time(client)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return level_stats(concurrency, results, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    row = level_stats(concurrency, results, wall)
+    row.update(busy_fractions(before, await stage_time(client), wall))
+    return row
+
+
+async def stage_time(client: httpx.AsyncClient) -> list[dict] | None:
+    """A Strata server's per-stage time counters (/metrics JSON `live.stages`); None from any other server."""
+    try:
+        r = await client.get("/metrics", params={"format": "json"})
+        return r.json()["live"]["stages"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def busy_fractions(before: list[dict] | None, after: list[dict] | None, wall_s: float) -> dict[str, Any]:
+    """`stage_busy`: each stage's share of the level's wall time spent computing steps ("0.93 0.88"), and
+    `bubble`: 1 - their mean (the pipeline's idle share); None when the server does not report stage time.
+    The counters come from the stages' last heartbeat, so a level shorter than a few heartbeats reads low."""
+    if not before or not after or len(before) != len(after) or wall_s <= 0:
+        return {"stage_busy": None, "bubble": None}
+    fractions = [max(0.0, (a["busy_s"] - b["busy_s"]) / wall_s) for b, a in zip(before, after)]
+    return {"stage_busy": " ".join(f"{f:.2f}" for f in fractions),
+            "bubble": round(1 - sum(fractions) / len(fractions), 3)}
 
 
 async def appended_turn(client: httpx.AsyncClient, cfg: ServeConfig, rng: random.Random, words_per_token: float,
@@ -344,7 +368,7 @@ async def run_serve(cfg: ServeConfig, concurrency: list[int], requests: int | No
         "config": {"url": cfg.url, "model": cfg.model, "api": cfg.api, "prompt_tokens": cfg.prompt_tokens,
                    "output_tokens": cfg.output_tokens, "seed": cfg.seed, "words_per_token": words_per_token},
         "columns": ["concurrency", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
-                    "out_tok_s", "decode_tok_s", "req_s"],
+                    "out_tok_s", "decode_tok_s", "req_s", "stage_busy", "bubble"],
         "rows": rows,
         "tables": tables,
         "appended_turn": appended,

@@ -40,6 +40,10 @@ KV_WINDOW = [
      "hits": 14, "fills": 3, "stale": 0, "evictions": 0, "streamed": 0, "h2d_bytes": 24576, "d2h_bytes": 2304},
 ]
 
+# live_metrics()["stages"]: stage 1 waited for stage 0's hidden states a while.
+STAGES = [{"stage": 0, "steps_run": 12, "busy_s": 1.5, "hidden_wait_s": 0.0},
+          {"stage": 1, "steps_run": 12, "busy_s": 1.25, "hidden_wait_s": 0.5}]
+
 
 class FakeEngine:
     def __init__(self, tokenizer, max_context: int = 256, model_name: str = "tiny-test") -> None:
@@ -124,6 +128,7 @@ class FakeEngine:
             },
             "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
             "kv_window": [dict(w) for w in self.kv_window],
+            "stages": [dict(st) for st in STAGES],
         }
 
     def health(self) -> dict:

@@ -383,3 +383,12 @@ def test_peers_argument_checks() -> None:
     for bad in ("strata-0", "vllm", "strata-x"):
         with pytest.raises(SystemExit):
             bench.build_parser().parse_args(["peers", "--peers", bad])
+
+
+def test_busy_fractions_from_the_stages_counters():
+    from coordinator.bench.serve import busy_fractions
+
+    before = [{"stage": 0, "busy_s": 1.0}, {"stage": 1, "busy_s": 2.0}]
+    after = [{"stage": 0, "busy_s": 4.0}, {"stage": 1, "busy_s": 3.5}]
+    assert busy_fractions(before, after, 4.0) == {"stage_busy": "0.75 0.38", "bubble": 0.438}
+    assert busy_fractions(None, after, 4.0) == {"stage_busy": None, "bubble": None}  # not a Strata server

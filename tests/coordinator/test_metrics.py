@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.engine import EngineError
 from coordinator.metrics import Metrics
-from tests.coordinator.fake_engine import KV_WINDOW, running_front
+from tests.coordinator.fake_engine import KV_WINDOW, STAGES, running_front
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 
@@ -28,7 +28,8 @@ EXPOSED = [
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
     "strata:kv_pool_cells", "strata:kv_pool_free_cells", "strata:kv_pool_held_cells",
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
-    *WINDOW_NAMES,
+    *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_busy_seconds_total",
+    "strata:stage_hidden_wait_seconds_total",
 ]
 
 
@@ -103,6 +104,15 @@ def test_window_series_per_stage(served):
             assert s[(name, (("stage", str(entry["stage"])),))] == entry[key], (name, entry["stage"])
     types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
     assert types["strata:kv_window_frames"] == "gauge" and types["strata:kv_window_fills"] == "counter"
+
+
+def test_stage_time_per_stage(served):
+    s = samples(httpx.get(served.url + "/metrics").text)
+    for entry in STAGES:
+        label = (("stage", str(entry["stage"])),)
+        assert s[("strata:stage_steps_total", label)] == entry["steps_run"]
+        assert s[("strata:stage_busy_seconds_total", label)] == entry["busy_s"]
+        assert s[("strata:stage_hidden_wait_seconds_total", label)] == entry["hidden_wait_s"]
 
 
 def test_no_window_series_without_a_window(served):
