@@ -263,8 +263,7 @@ class Scheduler:
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
         return header, tokens, members
 
-    @staticmethod
-    def _step_error(err: Exception, step: int) -> EngineError:
+    def _step_error(self, err: Exception, step: int) -> EngineError:
         if isinstance(err, StageDown):
             return EngineError.stage_down(str(err), retry_after=self.cfg.coordinator.retry_after_s)
         if isinstance(err, StepFailed):  # the stage is fine; this step's work failed there

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
-from coordinator.link import StepFailed
+from coordinator.link import StageDown, StepFailed
 from coordinator.scheduler import Scheduler
 from pool.chunk_map import TableMirror
 from pool.config import config_from_dict
@@ -291,6 +291,7 @@ class FlakyLink(CellLink):
 @pytest.mark.parametrize("failure, status, code", [
     (ValueError("integer out of range for the wire"), 500, "internal_error"),
     (StepFailed(1, 1, "boom"), 500, "step_failed"),
+    (StageDown(1, "step 0 passed its deadline"), 503, "stage_down"),
 ])
 async def test_a_failed_step_ends_its_requests_and_the_loop_goes_on(failure, status, code):
     cfg = make_cfg(True)
@@ -300,6 +301,7 @@ async def test_a_failed_step_ends_its_requests_and_the_loop_goes_on(failure, sta
     with pytest.raises(EngineError) as err:
         await run(sched, req(prompts()[0]))
     assert (err.value.status, err.value.code) == (status, code)
+    assert err.value.retry_after == (cfg.coordinator.retry_after_s if status == 503 else None)  # Retry-After
     out, fin = await run(sched, req(prompts()[1]))
     assert out == (await solo(cfg, prompts()[1]))[0]
     assert_pool_accounted(sched)
