@@ -102,6 +102,6 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
     @router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
     async def count_tokens(request: Request):
         req: CountTokensRequest = await front.parse(request, CountTokensRequest)
-        return {"input_tokens": len(await front.chat_ids(req.template_messages(), continue_final=True))}
+        return {"input_tokens": len(await front.chat_ids(req.template_messages(), continue_final=True, count=True))}
 
     return router

@@ -24,7 +24,8 @@ Rules:
   (`encode_batch`; plain `encode` holds it), so a multi-megabyte prompt does not stall every other stream;
   at most TOKENIZE_WORKERS such texts at once. Before any of it, a text longer than max_context x the
   longest token (in characters) is refused (400 `context_length_exceeded`): it cannot fit, and tokenizing
-  it would cost ~150 bytes of memory per token.
+  it would cost ~150 bytes of memory per token. A token count (`count_tokens`) may go COUNT_CONTEXTS
+  contexts long, so a client can tell how far past the context a conversation is.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class Delta:
 
 LARGE_TEXT_CHARS = 1 << 16
 TOKENIZE_WORKERS = 2  # large texts tokenized at once; the others wait their turn (bounded memory)
+COUNT_CONTEXTS = 4  # count_tokens counts prompts up to this many contexts long (how far past it a client is)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -174,7 +176,7 @@ class Front:
             message, param = validation_message(err)
             raise ApiError.bad_request(message, param=param) from None
 
-    async def chat_ids(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+    async def chat_ids(self, messages: list[dict], continue_final: bool = False, count: bool = False) -> list[int]:
         """The rendered chat prompt as token ids (as `Tokenizer.chat_ids`); a template that refuses the
         messages is a 400.
 
@@ -201,7 +203,7 @@ class Front:
                 raise ApiError.bad_request("the final assistant message (a prefill) cannot be continued: this "
                                            "model's chat template rewrites it", param="messages")
             text = text[: cut + len(content.strip())]
-        return await self.encode(text, param="messages")
+        return await self.encode(text, param="messages", count=count)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -213,10 +215,11 @@ class Front:
     def _tokenizing(self) -> asyncio.Semaphore:
         return asyncio.Semaphore(TOKENIZE_WORKERS)
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """`tokenizer.encode(text)`, after refusing a text too long to fit `max_context` whatever its tokens are;
-        a large text off the event loop, at most TOKENIZE_WORKERS at once (see the module docstring)."""
-        limit = self.engine.max_context * self.max_token_chars
+    async def encode(self, text: str, param: str = "prompt", count: bool = False) -> list[int]:
+        """`tokenizer.encode(text)`, after refusing a text too long to fit `max_context` whatever its tokens are
+        (`count`: a token count only, which may go COUNT_CONTEXTS times past it); a large text off the event loop,
+        at most TOKENIZE_WORKERS at once (see the module docstring)."""
+        limit = self.engine.max_context * self.max_token_chars * (COUNT_CONTEXTS if count else 1)
         if len(text) > limit:
             self.metrics.refused("context_length_exceeded")
             raise EngineError(
