@@ -26,9 +26,14 @@ log = logging.getLogger("strata.coord")
 
 
 def resolve_model_dir(cfg: Config) -> Path:
-    """The checkpoint directory; `tiny` is built once into the cache (by a child process that has torch)."""
+    """The checkpoint directory (or .gguf file); `tiny` is built once into the cache (by a child process that
+    has torch)."""
     if cfg.model != "tiny":
         path = Path(cfg.model).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ConfigError(f"model: {cfg.model} is not a file")
+            return path
         if not (path / "config.json").exists():
             raise ConfigError(f"model: {cfg.model} has no config.json")
         return path
@@ -49,8 +54,8 @@ async def serve(cfg: Config) -> None:
     from .tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(cfg)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    name = "tiny" if cfg.model == "tiny" else model_dir.name
+    tokenizer = Tokenizer.from_gguf(model_dir) if model_dir.suffix == ".gguf" else Tokenizer.from_dir(model_dir)
+    name = "tiny" if cfg.model == "tiny" else (model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name)
     link = StageLink(cfg)
     await link.start()
     scheduler = Scheduler(cfg, link, model_name=name)

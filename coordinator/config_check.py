@@ -27,6 +27,10 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
 - baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
   without the pool (one full context per slot plus one for a parked conversation).
 
+A `.gguf` model is read from its header (pool/gguf_meta.py: the metadata as config.json, the tensor infos); its
+weights are counted as loaded, every tensor in the compute dtype (quantized ones are dequantized at load), and
+a note names the quantized formats.
+
 Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
 a model the stages cannot compute (the same rules as `stages.checkpoint.check_computable`, which refuses it
 again at load: an architecture outside SUPPORTED_ARCHS, a `hidden_act` other than silu, a rope type outside
@@ -191,6 +195,26 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
         refuse(f"tensor {odd[0]} is stored as {dtype}; the stages read only {', '.join(LOADABLE_ST)} weights")
 
 
+def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[str, int, int, bool]]]:
+    """config.json's stand-in and the tensors of a .gguf file (pool/gguf_meta.py), each at its loaded size: the
+    stage dequantizes every quantized tensor and casts every tensor to the compute dtype."""
+    from pool.gguf_meta import GGUFError, GGUFModel
+
+    try:
+        m = GGUFModel(cfg.model)
+    except GGUFError as err:
+        raise ConfigError(f"model: {err}", key="model") from None
+    refuse_uncomputable(str(m.path), m.config)
+    dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else m.dtype
+    tensors = [(name, t.numel * DTYPE_BYTES[dtype], t.numel, True) for name, t in m.tensors.items()]
+    quantized = m.quantized_types()
+    if quantized:
+        kinds = ", ".join(f"{n} tensors as {kind}" for kind, n in sorted(quantized.items()))
+        notes.append(f"model: {m.path.name} stores {kinds}; dequantized at load to {dtype} (none kept quantized), "
+                     "so the weights figures are the dequantized sizes")
+    return m.config, str(m.path), tensors
+
+
 def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
     def need(name: str) -> Any:
         if name not in conf:
@@ -321,6 +345,9 @@ def check(cfg: Config) -> Report:
         conf, weights_from = _describe_tiny(cfg.model)
         refuse_uncomputable(cfg.model, conf)
         source = f"{cfg.model} (embedded default, built on first use)"
+    elif cfg.model.endswith(".gguf"):
+        conf, source, tensors = _gguf_model(cfg, notes)
+        weights_from = "GGUF header"
     else:
         model_dir = Path(cfg.model).expanduser()
         if not (model_dir / "config.json").is_file():

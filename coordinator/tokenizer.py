@@ -2,7 +2,8 @@
 
 No torch: `tokenizers` for the vocabulary, jinja2 for the chat template. A checkpoint directory must hold
 a `tokenizer.json` (a "fast" tokenizer); the template comes from `chat_template.jinja`,
-`chat_template.json` or `tokenizer_config.json` (first found, as transformers reads them).
+`chat_template.json` or `tokenizer_config.json` (first found, as transformers reads them). A .gguf file
+carries its own vocabulary and template (`Tokenizer.from_gguf`, coordinator/gguf_tokenizer.py).
 
 Templates are rendered the way transformers renders them, so a prompt here is the prompt the model was
 trained on: an immutable sandboxed jinja2 environment with trim_blocks and lstrip_blocks, the loopcontrols
@@ -149,6 +150,14 @@ class Tokenizer:
         if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
             eos.add(backend.token_to_id(special["eos_token"]))
         return cls(backend, _find_template(d, cfg), special, eos, d.resolve().name)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """The vocabulary, chat template and special ids of a .gguf file (coordinator/gguf_tokenizer.py)."""
+        from .gguf_tokenizer import read_vocab
+
+        v = read_vocab(path)
+        return cls(v.backend, v.chat_template, v.special_tokens, v.eos_ids, Path(path).stem)
 
     @property
     def vocab_size(self) -> int:

@@ -187,12 +187,17 @@ class Checkpoint:
 
 
 def load_checkpoint(dir: str | Path) -> Checkpoint:
-    """Read `config.json` and the safetensors headers of a Hugging Face checkpoint directory.
+    """Read `config.json` and the safetensors headers of a Hugging Face checkpoint directory (a `.gguf` file
+    instead: stages/gguf_weights.py, the same interface).
 
     A config the stages cannot compute (`check_computable`) raises `CheckpointError` naming what, e.g. the
     architecture (`config.json` "architectures"[0]) with the list of supported ones.
     """
     d = Path(dir)
+    if d.suffix == ".gguf":
+        from stages.gguf_weights import load_gguf
+
+        return load_gguf(d)  # type: ignore[return-value]  # the same interface
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{d} is not a checkpoint directory: config.json not found")

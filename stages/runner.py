@@ -55,12 +55,15 @@ class StaleStep(RuntimeError):
 
 
 def resolve_model_dir(model: str) -> Path:
-    """The checkpoint directory of `model`: "tiny" (or "tiny:key=value,...") is built once into the cache."""
+    """The checkpoint directory (or .gguf file) of `model`: "tiny" (or "tiny:key=value,...") is built once into the
+    cache."""
     if model == "tiny" or model.startswith("tiny:"):
         from .tiny import ensure_tiny
 
         return ensure_tiny(model)
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
     if not (path / "config.json").is_file():
         raise ConfigError(f"model: {model} is not a checkpoint directory (no config.json)", key="model")
     return path

@@ -1,0 +1,253 @@
+"""A GGUF file read as the stages and the coordinator see a checkpoint: a config dict, tensor names, no weights.
+
+No torch: the `gguf` package (numpy only) memory-maps the file, so opening it reads the header and the
+tensor infos, not the weights. Both sides use this module: the stages to load their layers
+(stages/gguf_weights.py), the coordinator for `strata config check` and the tokenizer
+(coordinator/gguf_tokenizer.py).
+
+Rules:
+- Architectures: `general.architecture` in ARCHS (llama, qwen2, qwen3, qwen3moe), mapped to the Hugging Face
+  class the stages compute. Anything else is refused, naming it. qwen3moe: expert_count, expert_used_count,
+  expert_feed_forward_length; every layer routes and the chosen weights are normalized (norm_topk_prob) unless
+  expert_weights_norm is false, as llama.cpp computes it; its stacked `ffn_{gate,up,down}_exps` [experts, rows, cols] are one Hugging Face
+  name per expert (`GGUFTensor.expert`: a slice of the stacked tensor).
+- The config dict is what config.json would hold, built from `{arch}.*` keys: block_count,
+  embedding_length, feed_forward_length, attention.head_count(_kv), attention.key_length (= head_dim; a
+  value_length or rope.dimension_count that differs is refused), rope.freq_base, context_length,
+  attention.layer_norm_rms_epsilon, rope.scaling.{type,factor,original_context_length} (linear, yarn; yarn's
+  beta_fast/beta_slow; its other keys are refused).
+  vocab_size is the embedding's row count; tie_word_embeddings is "no output.weight".
+- Tensor names: llama.cpp's `token_embd`, `blk.N.attn_q` ... map to the Hugging Face names (`hf_name`), so the
+  stages ask for the same names as from a safetensors checkpoint. A tensor without a counterpart is refused
+  (`rope_freqs`, llama3's frequencies as a tensor, among them): loading it silently would serve wrong output.
+- Stored types: FLOAT_TYPES are read as floats; QUANT_TYPES are dequantized at load with
+  `gguf.quants.dequantize` to the compute dtype (none is kept packed yet); other types are refused.
+- `llama` q/k rows are stored permuted by llama.cpp's converter (pairs interleaved for its rope); the stages
+  un-permute them at load (`PERMUTED_ARCHS`). qwen2/qwen3 are stored as in the checkpoint.
+- dtype ("auto"): the embedding's float type; a quantized embedding means bfloat16 (QUANTIZED_AUTO_DTYPE).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM"}
+PERMUTED_ARCHS = ("llama",)
+MOE_ARCHS = ("qwen3moe",)
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_AUTO_DTYPE = "bfloat16"
+FINGERPRINT_SAMPLE_BYTES = 64
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **{f"attn_{x}.{kind}": f"self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")},
+}
+# A MoE layer's experts, stacked [experts, rows, cols] in one tensor each; the HF names are one per expert.
+_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
+# yarn keys with no counterpart in the Hugging Face yarn parameters the stages compute.
+_YARN_UNMAPPED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
+                  "rope.scaling.yarn_attn_factor")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+class GGUFError(ValueError):
+    """A GGUF file the stages cannot serve; the message names the file and the key, tensor or type."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (None: no counterpart)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's info: `shape` in numpy (row-major, Hugging Face) order, `nbytes` as stored."""
+
+    name: str                # the GGUF name
+    type: str                # GGMLQuantizationType name: F32, Q8_0, ...
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int              # absolute byte offset of the data in the file
+    expert: int | None = None  # one expert's slice of a stacked tensor `name` (shape and nbytes: the slice's)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def quantized(self) -> bool:
+        return self.type not in FLOAT_TYPES
+
+
+class GGUFModel:
+    """A GGUF file's config dict (`.config`, as config.json), tensors by Hugging Face name (`.tensors`) and the
+    open reader (`.reader`, memory-mapped); `.field(key)` reads one metadata value."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            import gguf
+        except ImportError:  # pragma: no cover - a dependency
+            raise GGUFError(f"{path}: reading GGUF files needs the gguf package (pip install gguf)") from None
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise GGUFError(f"model: {path} is not a file")
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on a damaged file
+            raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHS:
+            raise GGUFError(f"{self.path}: general.architecture {self.arch!r} is not computed by the stages; "
+                            f"supported: {', '.join(ARCHS)}")
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in FLOAT_TYPES and kind not in QUANT_TYPES:
+                raise GGUFError(f"{self.path}: tensor {t.name!r} is stored as {kind}; the stages read "
+                                f"{', '.join([*FLOAT_TYPES, *QUANT_TYPES])}")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            m = _BLOCK.fullmatch(t.name)
+            if m and m.group(2) in _EXPERT_NAMES and len(shape) == 3:
+                n = shape[0]
+                for e in range(n):
+                    hf = f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight"
+                    self.tensors[hf] = GGUFTensor(t.name, kind, shape[1:], int(t.n_bytes) // n, int(t.data_offset), e)
+                continue
+            name = hf_name(t.name)
+            if name is None:
+                raise GGUFError(f"{self.path}: tensor {t.name!r} has no counterpart the stages compute")
+            self.tensors[name] = GGUFTensor(t.name, kind, shape, int(t.n_bytes), int(t.data_offset))
+        self.config = self._config()
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.get_field(key)
+        return default if f is None else f.contents()
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.arch}.{key}", default)
+
+    @property
+    def dtype(self) -> str:
+        """The "auto" compute dtype (module docstring)."""
+        embed = self.tensors.get("model.embed_tokens.weight")
+        return FLOAT_TYPES.get(embed.type, QUANTIZED_AUTO_DTYPE) if embed else "float32"
+
+    def quantized_types(self) -> dict[str, int]:
+        """Stored quantized type -> number of tensors in it."""
+        out: dict[str, int] = {}
+        for t in {t.name: t for t in self.tensors.values()}.values():  # a stacked tensor once
+            if t.quantized:
+                out[t.type] = out.get(t.type, 0) + 1
+        return out
+
+    def fingerprint(self) -> str:
+        """sha256 over the header (metadata and tensor infos, every byte before the data) and each tensor's
+        first 64 bytes (the same sampling as a safetensors checkpoint's fingerprint)."""
+        h = hashlib.sha256()
+        data = self.reader.data
+        h.update(bytes(data[: self.reader.data_offset]))
+        for t in sorted({t.offset: t for t in self.tensors.values()}.values(), key=lambda t: t.offset):
+            h.update(bytes(data[t.offset: t.offset + min(FINGERPRINT_SAMPLE_BYTES, t.nbytes)]))
+        return h.hexdigest()
+
+    def _need(self, key: str) -> Any:
+        value = self.arch_field(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata {self.arch}.{key} is missing")
+        return value
+
+    def _config(self) -> dict[str, Any]:
+        """The config.json the file stands for (module docstring)."""
+        def one(key: str, value: Any) -> int:
+            if isinstance(value, list):  # per-layer values (e.g. feed_forward_length): only uniform ones
+                if len(set(value)) != 1:
+                    raise GGUFError(f"{self.path}: {self.arch}.{key} differs per layer ({value}); not computed")
+                value = value[0]
+            return int(value)
+
+        heads = one("attention.head_count", self._need("attention.head_count"))
+        hidden = int(self._need("embedding_length"))
+        head_dim = int(self.arch_field("attention.key_length") or hidden // heads)
+        for key in ("attention.value_length", "rope.dimension_count"):
+            value = self.arch_field(key)
+            if value is not None and int(value) != head_dim:
+                raise GGUFError(f"{self.path}: {self.arch}.{key}={value} differs from the head size {head_dim}; "
+                                "not computed by the stages")
+        embed = self.tensors.get("model.embed_tokens.weight")
+        if embed is None:
+            raise GGUFError(f"{self.path}: tensor token_embd.weight is missing")
+        n_ctx = int(self.arch_field("context_length") or 4096)
+        config: dict[str, Any] = {
+            "architectures": [ARCHS[self.arch]],
+            "model_type": self.arch,
+            "hidden_size": hidden,
+            "intermediate_size": one("feed_forward_length", self._need("feed_forward_length") if self.arch not in
+                                     MOE_ARCHS else self.arch_field("feed_forward_length", 0)),
+            "num_hidden_layers": int(self._need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": one("attention.head_count_kv", self.arch_field("attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "vocab_size": embed.shape[0],
+            "max_position_embeddings": n_ctx,
+            "rms_norm_eps": float(self.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(n_ctx),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "torch_dtype": self.dtype,
+        }
+        if self.arch in MOE_ARCHS:
+            # Every layer routes; llama.cpp normalizes the chosen experts' weights for qwen3moe unless
+            # expert_weights_norm says otherwise (its checkpoints' norm_topk_prob).
+            config.update(num_experts=int(self._need("expert_count")), num_experts_per_tok=int(
+                self._need("expert_used_count")), moe_intermediate_size=int(self._need("expert_feed_forward_length")),
+                norm_topk_prob=bool(self.arch_field("expert_weights_norm", True)), decoder_sparse_step=1,
+                mlp_only_layers=[])
+        for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            if self.field(name) is not None:
+                config[key] = int(self.field(name))
+        return config
+
+    def _rope_scaling(self, n_ctx: int) -> dict[str, Any] | None:
+        kind = self.arch_field("rope.scaling.type")
+        factor = self.arch_field("rope.scaling.factor")
+        if kind in (None, "none") and factor in (None, 0.0, 1.0):
+            return None
+        if kind == "linear" or (kind is None and factor):
+            return {"rope_type": "linear", "factor": float(factor)}
+        if kind == "yarn":
+            for key in _YARN_UNMAPPED:
+                if self.arch_field(key) is not None:
+                    raise GGUFError(f"{self.path}: {self.arch}.{key} is not computed by the stages")
+            out = {"rope_type": "yarn", "factor": float(factor),
+                   "original_max_position_embeddings": int(self.arch_field("rope.scaling.original_context_length",
+                                                                           n_ctx))}
+            for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+                if self.arch_field(key) is not None:
+                    out[name] = float(self.arch_field(key))
+            return out
+        raise GGUFError(f"{self.path}: {self.arch}.rope.scaling.type={kind!r} is not computed by the stages "
+                        "(supported: none, linear, yarn)")

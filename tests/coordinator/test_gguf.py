@@ -1,0 +1,157 @@
+"""GGUF files on the coordinator side: the tokenizer (coordinator/gguf_tokenizer.py) against the checkpoint
+tokenizer it was made from, and `strata config check` figures against the checkpoint's."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config_check import check, format_report
+from coordinator.gguf_tokenizer import GGUFTokenizerError, read_vocab
+from coordinator.tokenizer import Tokenizer
+from pool.config import ConfigError, config_from_dict
+from pool.gguf_meta import GGUFModel
+from tests.stages.gguf_files import write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+TEXTS = [
+    "The river ran low that summer.",
+    "  two leading spaces, trailing\n\n\tand tabs  ",
+    "def f(x):\n    return x + 1\n",
+    "Café 東京 🙂 Straße — € ≤ ≥",
+    "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>",
+    "don't won't I'll we've 12345 3.14159",
+]
+CHATS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "東京 café 🙂"}],
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory, tmp_path_factory):
+    hf = tiny_model_factory("qwen3", layers=1)
+    path = write_gguf(hf, tmp_path_factory.mktemp("gguf-tok") / "tiny.gguf", "Q8_0")
+    return Tokenizer.from_dir(hf), Tokenizer.from_gguf(path), path
+
+
+def test_ids_and_text_match_the_checkpoint_tokenizer(pair) -> None:
+    want, got, _ = pair
+    assert got.vocab_size == want.vocab_size
+    for text in TEXTS:
+        ids = want.encode(text)
+        assert got.encode(text) == ids, text
+        assert got.encode(text, add_special=True) == want.encode(text, add_special=True)
+        assert got.decode(ids) == want.decode(ids) == text
+        assert got.decode(ids, skip_special=True) == want.decode(ids, skip_special=True)
+
+
+def test_chat_template_and_special_ids_match(pair) -> None:
+    want, got, path = pair
+    for chat in CHATS:
+        assert got.apply_chat_template(chat) == want.apply_chat_template(chat)
+        assert got.chat_ids(chat) == want.chat_ids(chat)
+    assert got.chat_template == want.chat_template
+    assert got.special_tokens["bos_token"] == want.special_tokens["bos_token"]
+    assert got.special_tokens["eos_token"] == want.special_tokens["eos_token"]
+    assert got.eos_ids <= want.eos_ids and got.token_id("<|im_end|>") in got.eos_ids
+    assert got.name == path.stem
+
+
+def test_config_from_metadata_is_torch_free(pair) -> None:
+    _, _, path = pair
+    m = GGUFModel(path)
+    assert m.config["architectures"] == ["Qwen3ForCausalLM"] and m.config["num_hidden_layers"] == 1
+    assert m.quantized_types() == {"Q8_0": 8}  # embedding, q, k, v, o, gate, up, down
+    assert m.dtype == "bfloat16"  # auto on a quantized embedding
+
+
+def _with_pre(path, out, pre: str, add_bos: bool = False):
+    """A copy of the GGUF file at `path` with another tokenizer.ggml.pre (and add_bos_token)."""
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    for f in reader.fields.values():
+        if f.name.startswith(("qwen3.", "tokenizer.")) and f.name not in ("tokenizer.ggml.pre",
+                                                                          "tokenizer.ggml.add_bos_token"):
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    w.add_tokenizer_pre(pre)
+    w.add_add_bos_token(add_bos)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data.copy(), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_unknown_pre_tokenizer_is_refused(pair, tmp_path) -> None:
+    with pytest.raises(GGUFTokenizerError, match="some-new-model"):
+        read_vocab(_with_pre(pair[2], tmp_path / "pre.gguf", "some-new-model"))
+
+
+def test_llama3_pre_tokenizer_and_bos(pair, tmp_path) -> None:
+    tok = Tokenizer.from_gguf(_with_pre(pair[2], tmp_path / "llama3.gguf", "llama-bpe", add_bos=True))
+    words = [w for w, _ in tok.backend.pre_tokenizer.pre_tokenize_str("x 12345 don't")]
+    assert words == ["x", "Ġ", "123", "45", "Ġdon", "'t"]  # digits in threes; the space alone before them
+    bos = tok.token_id(tok.special_tokens["bos_token"])
+    assert tok.encode("hi", add_special=True) == [bos, *tok.encode("hi")]
+    qwen2 = Tokenizer.from_gguf(_with_pre(pair[2], tmp_path / "qwen2.gguf", "qwen2"))
+    assert qwen2.encode("cafe\u0301") == qwen2.encode("caf\u00e9")  # NFC first, as its HF tokenizer
+
+
+def _box(model, ranges, **engine) -> dict:
+    stages = [{"layers": list(r), "endpoint": f"ipc:///tmp/gguf-cc-{i}"} for i, r in enumerate(ranges)]
+    eng = {"max_context": 64, "chunk_cells": 16, "kv_pool_tokens": 160, "parallel": 2, "prefill_chunk": 16, **engine}
+    return {"model": str(model), "engine": eng, "stages": stages}
+
+
+def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> None:
+    hf = tiny_model_factory("llama", layers=4)
+    f32 = write_gguf(hf, tmp_path / "f32.gguf", "F32")
+    q8 = write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
+    want = check(config_from_dict(_box(hf, [(0, 2), (2, 4)])))
+    got = check(config_from_dict(_box(f32, [(0, 2), (2, 4)])))
+    assert got.model.weights_from == "GGUF header" and got.notes == []
+    assert (got.model.arch, got.model.num_layers, got.model.kv_heads, got.model.head_dim, got.model.dtype) == \
+        (want.model.arch, 4, want.model.kv_heads, want.model.head_dim, "float32")
+    assert [s.weight_bytes for s in got.stages] == [s.weight_bytes for s in want.stages]
+    assert [s.pool_bytes for s in got.stages] == [s.pool_bytes for s in want.stages]
+    # Quantized: counted dequantized, in engine.dtype when set, else in the auto dtype (bfloat16: half).
+    q32 = check(config_from_dict(_box(q8, [(0, 2), (2, 4)], dtype="float32")))
+    assert [s.weight_bytes for s in q32.stages] == [s.weight_bytes for s in want.stages]
+    assert any("30 tensors as Q8_0" in n and "dequantized at load to float32" in n for n in q32.notes)
+    auto = check(config_from_dict(_box(q8, [(0, 2), (2, 4)])))
+    assert [s.weight_bytes for s in auto.stages] == [s.weight_bytes // 2 for s in want.stages]
+    assert auto.kv_dtype == "bfloat16"
+    assert "weights from GGUF header" in format_report(auto)
+
+
+def test_config_check_figures_of_a_moe_gguf(tiny_model_factory, tmp_path) -> None:
+    hf = tiny_model_factory("qwen3_moe", layers=2)
+    q8 = write_gguf(hf, tmp_path / "moe.gguf", "Q8_0")
+    want = check(config_from_dict(_box(hf, [(0, 1), (1, 2)])))
+    got = check(config_from_dict(_box(q8, [(0, 1), (1, 2)], dtype="float32")))
+    assert got.model.arch == "Qwen3MoeForCausalLM"
+    assert [s.weight_bytes for s in got.stages] == [s.weight_bytes for s in want.stages]
+    assert any("as Q8_0" in n for n in got.notes)
+    # per layer q, k, v, o, the router and 3 stacked experts; the embedding and lm_head
+    assert GGUFModel(q8).quantized_types() == {"Q8_0": 2 * 8 + 2}
+
+
+def test_config_check_refuses_a_bad_gguf(tmp_path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ConfigError, match="x.gguf"):
+        check(config_from_dict(_box(bad, [(0, 1)])))
+    with pytest.raises(ConfigError, match="missing.gguf"):
+        check(config_from_dict(_box(tmp_path / "missing.gguf", [(0, 1)])))
+
+
+def test_cli_resolves_a_gguf_file(pair, tmp_path) -> None:
+    from coordinator.cli import resolve_model_dir
+
+    _, _, path = pair
+    assert resolve_model_dir(config_from_dict(_box(path, [(0, 1)]))) == path
+    with pytest.raises(ConfigError, match="is not a file"):
+        resolve_model_dir(config_from_dict(_box(tmp_path / "none.gguf", [(0, 1)])))

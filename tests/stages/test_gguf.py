@@ -1,0 +1,204 @@
+"""GGUF files through the stages: the same logits as the Hugging Face checkpoint they were made from.
+
+Oracles: an F32 file gives our stages' logits on the checkpoint (atol 1e-5) and transformers' (1e-4); a
+quantized file gives transformers' logits on the dequantized weights (tests/stages/gguf_files.py, which
+quantizes with the gguf package itself); a 2-stage split reads only its own tensors and agrees with one stage.
+llama files carry llama.cpp's q/k row permutation, so they test the un-permute.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.batch import StepBatch
+from stages.checkpoint import CheckpointError, load_checkpoint
+from stages.gguf_weights import GGUFCheckpoint, permute_rope, unpermute_rope
+from stages.kv_cache import KVCache
+from stages.model import StageModel
+from tests.stages.gguf_files import write_dequantized_checkpoint, write_gguf
+from tests.stages.harness import Local, make_cfg
+
+gguf = pytest.importorskip("gguf")
+
+CHUNK, N_CHUNKS, TABLE_CHUNKS = 16, 8, 4
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 120, 6, 33, 2, 9, 64, 18, 200, 11, 300, 1, 47]
+SHAPE = dict(layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_model_factory, tmp_path_factory):
+    """files(arch, qtype) -> (gguf path, Hugging Face dir with the same weights), built once each."""
+    root = tmp_path_factory.mktemp("gguf")
+    built: dict = {}
+
+    def get(arch: str, qtype: str = "F32") -> tuple[Path, Path]:
+        if (arch, qtype) not in built:
+            hf = tiny_model_factory(arch, **SHAPE)
+            path = write_gguf(hf, root / f"{arch}-{qtype}.gguf", qtype)
+            if qtype != "F32":
+                hf = write_dequantized_checkpoint(hf, qtype, root / f"{arch}-{qtype}-dequantized")
+            built[arch, qtype] = (path, hf)
+        return built[arch, qtype]
+
+    return get
+
+
+def stage_logits(model_path: Path, splits: list[int], ids: list[int] = PROMPT) -> torch.Tensor:
+    """Every position's logits of one prefill through stages [0, s0), [s0, s1), ... in float32."""
+    ckpt = load_checkpoint(model_path)
+    bounds = [0, *splits, ckpt.num_layers]
+    batch = StepBatch.from_slots([[0, 0, len(ids), 1]])
+    x = torch.tensor(ids, dtype=torch.int32)
+    for a, b in zip(bounds, bounds[1:]):
+        m = StageModel(ckpt, a, b, "cpu", torch.float32)
+        kv = KVCache(m.num_local_layers, N_CHUNKS, CHUNK, m.kv_heads, m.head_dim, "float32", "cpu", 1, TABLE_CHUNKS)
+        kv.set_table(0, [3, 1, 6, 0])
+        x = m.forward(batch, kv, x, logits_all=True)
+    return x
+
+
+def hf_logits(hf_dir: Path, ids: list[int] = PROMPT) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_permutation_inverts_llama_cpp_converter() -> None:
+    w = torch.randn(4 * 16, 8)
+    assert torch.equal(unpermute_rope(permute_rope(w, 4), 4), w)
+    assert not torch.equal(permute_rope(w, 4), w)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_f32_gguf_matches_checkpoint_and_transformers(files, arch: str) -> None:
+    path, hf = files(arch)
+    ckpt = load_checkpoint(path)
+    assert isinstance(ckpt, GGUFCheckpoint)
+    ours = stage_logits(path, [])
+    torch.testing.assert_close(ours, stage_logits(hf, []), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, hf_logits(hf), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}])
+def test_rope_scaling_from_metadata(tiny_model_factory, tmp_path, rope: dict) -> None:
+    hf = tiny_model_factory("qwen3", rope_scaling=rope, max_position=64, **SHAPE)
+    path = write_gguf(hf, tmp_path / "rope.gguf")
+    assert load_checkpoint(path).config["rope_scaling"] == rope
+    torch.testing.assert_close(stage_logits(path, []), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+def test_gguf_config_is_the_checkpoint_config(files) -> None:
+    import json
+
+    path, hf = files("qwen3")
+    want = json.loads((hf / "config.json").read_text())
+    got = load_checkpoint(path).config
+    for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert got[key] == pytest.approx(want[key]), key
+    assert load_checkpoint(files("llama")[0]).tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_0"),
+                                        ("qwen2", "Q4_0"), ("qwen3", "F16"), ("llama", "BF16")])
+def test_quantized_gguf_matches_transformers_on_dequantized_weights(files, arch: str, qtype: str) -> None:
+    path, hf = files(arch, qtype)
+    assert {t.type for t in load_checkpoint(path).meta.tensors.values()} == {"F32", qtype}
+    torch.testing.assert_close(stage_logits(path, []), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_moe_gguf_matches_transformers(files, qtype: str) -> None:
+    path, hf = files("qwen3_moe", qtype)
+    ckpt = load_checkpoint(path)
+    assert ckpt.config["num_experts"] == 8 and ckpt.config["num_experts_per_tok"] == 2
+    assert ckpt.meta.tensors["model.layers.1.mlp.experts.5.down_proj.weight"].shape == (64, 32)
+    torch.testing.assert_close(stage_logits(path, [1]), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+def test_split_reads_only_its_tensors_and_agrees(files, monkeypatch) -> None:
+    path, _ = files("llama", "Q8_0")
+    whole = stage_logits(path, [])
+    read: list[str] = []
+    original = GGUFCheckpoint._load
+
+    def spy(self, name, dtype, stacked):
+        read.append(name)
+        return original(self, name, dtype, stacked)
+
+    monkeypatch.setattr(GGUFCheckpoint, "_load", spy)
+    ckpt = load_checkpoint(path)
+    for (a, b), extra in (((0, 2), {"model.embed_tokens.weight"}), ((2, 4), {"model.norm.weight", "lm_head.weight"})):
+        read.clear()
+        StageModel(ckpt, a, b, "cpu", torch.float32)
+        assert {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")} == set(range(a, b))
+        assert {n for n in read if not n.startswith("model.layers.")} == extra
+        assert len(read) == len(set(read))
+    torch.testing.assert_close(stage_logits(path, [2]), whole, atol=1e-5, rtol=0)
+
+
+def test_two_stage_runners_serve_a_gguf_like_one(files, tmp_path) -> None:
+    path, _ = files("qwen3", "Q4_0")
+    outs = []
+    for i, ranges in enumerate(([[0, 4]], [[0, 2], [2, 4]])):
+        local = Local(make_cfg(path, ranges, dtype="float32"), tmp_path, tag=f"g{i}")
+        try:
+            outs.append(local.generate(0, PROMPT, 6))
+        finally:
+            local.close()
+    assert outs[0] == outs[1]
+
+
+def test_k_quant_tensor_dequantizes_as_gguf_does(files, tmp_path) -> None:
+    """Q4_K (gguf cannot quantize it): a block of random bytes with sane f16 scales, read back as gguf reads it."""
+    src, _ = files("qwen3")
+    reader = gguf.GGUFReader(str(src))
+    rng = np.random.default_rng(0)
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    block, size = gguf.GGML_QUANT_SIZES[q4k]
+    raw = rng.integers(0, 256, (8, size), dtype=np.uint8)
+    raw[:, 0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)  # d, dmin
+    out = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    for f in reader.fields.values():
+        if f.name.startswith("qwen3.") or f.name == "tokenizer.ggml.bos_token_id":
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            continue
+        w.add_tensor(t.name, np.array(t.data))
+    w.add_tensor("blk.0.ffn_up.weight", raw.reshape(8, size), raw_dtype=q4k)  # 8 rows of 256 (one block each)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = GGUFCheckpoint(out)
+    got = ckpt.tensors(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"]
+    assert got.shape == (8, block)
+    assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, q4k)))
+
+
+def test_unsupported_tensor_is_refused(files, tmp_path) -> None:
+    src, _ = files("qwen3")
+    reader = gguf.GGUFReader(str(src))
+    out = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    for f in reader.fields.values():
+        if f.name.startswith("qwen3."):
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        load_checkpoint(out)
