@@ -28,7 +28,7 @@ log = logging.getLogger("strata.coord")
 def resolve_model_dir(cfg: Config) -> Path:
     """The checkpoint directory (or .gguf file); `tiny` is built once into the cache (by a child process that
     has torch)."""
-    if cfg.model != "tiny":
+    if cfg.model != "tiny" and not cfg.model.startswith("tiny:"):
         path = Path(cfg.model).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
@@ -38,7 +38,8 @@ def resolve_model_dir(cfg: Config) -> Path:
             raise ConfigError(f"model: {cfg.model} has no config.json")
         return path
     out = subprocess.run(
-        [sys.executable, "-c", "from stages.tiny import ensure_tiny; print(ensure_tiny('tiny'))"],
+        [sys.executable, "-c", "import sys; from stages.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))",
+         cfg.model],
         check=True, capture_output=True, text=True,
     )
     return Path(out.stdout.strip().splitlines()[-1])
@@ -55,7 +56,10 @@ async def serve(cfg: Config) -> None:
 
     model_dir = resolve_model_dir(cfg)
     tokenizer = Tokenizer.from_gguf(model_dir) if model_dir.suffix == ".gguf" else Tokenizer.from_dir(model_dir)
-    name = "tiny" if cfg.model == "tiny" else (model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name)
+    if cfg.model == "tiny" or cfg.model.startswith("tiny:"):
+        name = cfg.model
+    else:
+        name = model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
     link = StageLink(cfg)
     await link.start()
     scheduler = Scheduler(cfg, link, model_name=name)
