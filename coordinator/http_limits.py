@@ -8,14 +8,15 @@ Rules:
   connection opening or of the previous response ending; a connection that is still sending then (a
   slowloris, a client that stalled) is closed. Partial data does not restart the clock, unlike the keep-alive
   timer. The body is bounded separately (`coordinator.max_body_bytes`, coordinator/api.py).
-- An EOF from the client ends its request (uvicorn's rule, kept): TCP cannot tell a client that half-closed
-  after sending from one that left, and a departed client's request must give its slot back at once, even
-  while it is queued or prefilling. So a half-closing client gets no answer; clients that keep their side
-  open (every HTTP library does) are unaffected.
+- A client that half-closes after sending (EOF with its request whole) still gets its answer, and a client
+  that left still gives its slot back at once: TCP shows both as EOF, so the front probes with a 102
+  (Processing) interim response, which HTTP/1.1 clients read past; a departed client's host answers it with a
+  reset, which ends the request even while it is queued or prefilling. An EOF between requests closes.
 """
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import h11
@@ -25,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pool.config import Config
 
 _WHOLE = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+RESET_POLL_S = 0.1
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -41,6 +43,38 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state in _WHOLE:
             self._disarm()
+
+    def eof_received(self) -> bool | None:
+        """The client sent EOF. Between requests (or before one is whole) it has left: close, as uvicorn does.
+        With a request whole, it may only have half-closed: keep the connection, send a 102 (Processing) probe
+        if the answer has not started, and watch for the reset a departed client's host answers data with."""
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)
+                or self.transport.is_closing()):
+            return None
+        if not cycle.response_started:
+            try:
+                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=102, headers=[], reason=b"Processing")))
+            except h11.LocalProtocolError:
+                return None
+        self._watch_reset()
+        return True
+
+    def _watch_reset(self) -> None:
+        """After an EOF: a reset (the client is gone) aborts the connection, which ends its request (the app
+        sees a disconnect); checked every RESET_POLL_S until the answer is complete."""
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or cycle.response_complete:
+            return
+        sock = self.transport.get_extra_info("socket")
+        try:
+            failed = sock is None or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            failed = True
+        if failed:
+            self.transport.abort()
+            return
+        self.loop.call_later(RESET_POLL_S, self._watch_reset)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

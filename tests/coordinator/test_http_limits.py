@@ -60,3 +60,19 @@ def test_a_request_trickling_in_is_dropped_at_the_read_deadline(tokenizer):
         s.sendall(HEAD + b"\r\n")
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         s.close()
+
+
+def test_a_half_closed_client_still_gets_its_answer(tokenizer):
+    import json
+
+    body = json.dumps({"model": "tiny-test", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
+    with running_front(tokenizer) as front:
+        s = connect(front.url)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.shutdown(socket.SHUT_WR)  # done sending, still reading
+        answer = read_all(s)
+        s.close()
+        final = answer[answer.index(b"HTTP/1.1 200"):] if b"HTTP/1.1 200" in answer else answer
+        assert final.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in final, answer[:300]
+        assert answer.startswith((b"HTTP/1.1 102", b"HTTP/1.1 200")), answer[:100]
