@@ -42,9 +42,11 @@ class Hidden:
         return self._epoch
 
     def abandon(self) -> None:
-        """Make every step queued or waiting so far give up (a HELLO came, or shutdown)."""
+        """Make every step queued or waiting so far give up (a HELLO came, or shutdown), and forget the hidden
+        states that came for them: their step ids belong to the steps given up."""
         with self._cond:
             self._epoch += 1
+            self._items.clear()
             self._cond.notify_all()
 
     def take(self, step: int, epoch: int) -> tuple[dict | None, list, str | None]:
@@ -219,7 +221,7 @@ class Compute(threading.Thread):
             self._window_stats()
         self.stats["steps_run"] += 1
         if self.has_next:
-            self._to_next(encode(HIDDEN, {"step": sid, "box": self.hidden_token}, [to_raw(out)]))
+            self._to_next(encode(HIDDEN, {"step": sid, "box": self.hidden_token, "session": self.session}, [to_raw(out)]))
         else:
             self._to_coord(ident, RESULT, {"step": sid, "tokens": out})
 
@@ -243,7 +245,8 @@ class Compute(threading.Thread):
 
     def _pass_error(self, sid: int, message: str) -> None:
         if self.has_next:
-            self._to_next(encode(HIDDEN, {"step": sid, "error": message, "box": self.hidden_token}))
+            self._to_next(encode(HIDDEN, {"step": sid, "error": message, "box": self.hidden_token,
+                                            "session": self.session}))
 
     def _to_next(self, frames: list) -> None:
         try:

@@ -19,7 +19,8 @@ Rules:
   they were sent: a step's table version is checked against a mirror that has seen every earlier op. SAVE and
   LOAD (session files) take the same queue, so a SAVE reads exactly the cells the steps before it wrote; each
   is answered with DONE {req, stage, ok, message, nbytes, ms}, whether it worked or not.
-- A step on stage i > 0 waits for the HIDDEN with its step id. Hidden states come in step order from
+- A step on stage i > 0 waits for the HIDDEN with its step id and its coordinator's session (a HIDDEN of an
+  earlier session, computed while a new coordinator said HELLO, is dropped: its step id means nothing now). Hidden states come in step order from
   stage i-1; one for a later step means this one will never come (stage i-1 refused it, or restarted),
   so the step is dropped. A refused or failed step sends HIDDEN {"step", "error"} on, so later stages
   drop it too rather than wait; only the stage where it failed reports ERROR {step, message}.
@@ -220,6 +221,9 @@ class StageServer:
             if not same_token(header.get("box"), self.owners.hidden_token):
                 event(log, "hidden.refused", logging.WARNING, stage=self.index, step=header["step"],
                       reason="not from a stage of this box (box token)")
+                continue
+            if header.get("session") != self.owners.session:  # a step of a coordinator this stage left behind
+                event(log, "hidden.stale", stage=self.index, step=header["step"], session=header.get("session"))
                 continue
             self.compute.hidden.put(header["step"], header, tensors)
 
