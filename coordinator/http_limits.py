@@ -8,10 +8,11 @@ Rules:
   connection opening or of the previous response ending; a connection that is still sending then (a
   slowloris, a client that stalled) is closed. Partial data does not restart the clock, unlike the keep-alive
   timer. The body is bounded separately (`coordinator.max_body_bytes`, coordinator/api.py).
-- A client that half-closes after sending (EOF with its request whole) still gets its answer, and a client
-  that left still gives its slot back at once: TCP shows both as EOF, so the front probes with a 102
-  (Processing) interim response, which HTTP/1.1 clients read past; a departed client's host answers it with a
-  reset, which ends the request even while it is queued or prefilling. An EOF between requests closes.
+- A client that half-closes after sending (EOF with its request whole, its answer not started) still gets its
+  answer, and a client that left still gives its slot back at once: TCP shows both as EOF, so the front
+  probes with a 102 (Processing) interim response, which HTTP/1.1 clients read past; a departed client's host
+  answers it with a reset, which ends the request even while it is queued or prefilling. An EOF between
+  requests, or once an answer is streaming, closes (as uvicorn does).
 """
 from __future__ import annotations
 
@@ -46,17 +47,18 @@ class BoundedH11Protocol(H11Protocol):
 
     def eof_received(self) -> bool | None:
         """The client sent EOF. Between requests (or before one is whole) it has left: close, as uvicorn does.
-        With a request whole, it may only have half-closed: keep the connection, send a 102 (Processing) probe
-        if the answer has not started, and watch for the reset a departed client's host answers data with."""
+        With a request whole and its answer not started, it may only have half-closed: keep the connection, send
+        a 102 (Processing) probe and watch for the reset a departed client's host answers it with. Once an answer
+        has started (a stream), EOF closes: nothing could be sent to probe it without breaking the body."""
         cycle = self.cycle
-        if (cycle is None or cycle.response_complete or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)
-                or self.transport.is_closing()):
+        if (cycle is None or cycle.response_complete or cycle.response_started or self.transport.is_closing()
+                or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
             return None
-        if not cycle.response_started:
-            try:
-                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=102, headers=[], reason=b"Processing")))
-            except h11.LocalProtocolError:
-                return None
+        try:
+            probe = h11.InformationalResponse(status_code=102, headers=[], reason=b"Processing")
+            self.transport.write(self.conn.send(probe))
+        except h11.LocalProtocolError:
+            return None
         self._watch_reset()
         return True
 
