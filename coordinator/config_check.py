@@ -53,6 +53,7 @@ from typing import Any
 
 import yaml
 
+from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, uncomputable  # noqa: F401
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
@@ -63,12 +64,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1}
 ST_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-# What stages/ computes: the same lists as stages/checkpoint.py and stages/rope.py (a test pins that they agree;
-# the coordinator does not import the stage package).
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-LOADABLE_ST = ("F64", "F32", "F16", "BF16")
+LOADABLE_ST = FLOAT_ST_DTYPES  # what stages/ computes: pool/computable.py, shared with the stage package
 # The architectures whose weights the config.json geometry formula (dense_tensor_shapes) knows.
 DENSE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 TINY_FALLBACK = {  # the embedded default, if `python -m stages.tiny --describe` cannot run
@@ -167,17 +163,9 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
     def refuse(why: str) -> None:
         raise ConfigError(f"model: {why} (in {where})", key="model")
 
-    arch = (conf.get("architectures") or [None])[0]
-    if arch not in SUPPORTED_ARCHS:
-        refuse(f"architecture {arch!r} is not computed by the stages (supported: {', '.join(SUPPORTED_ARCHS)})")
-    act = conf.get("hidden_act", "silu")
-    if act != "silu":
-        refuse(f"hidden_act {act!r} is not computed by the stages (only silu)")
-    quant = conf.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        refuse(f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
-               "(float32/bfloat16/float16) checkpoint")
+    why = uncomputable(conf)
+    if why is not None:
+        refuse(why)
     rope = dict(conf.get("rope_parameters") or conf.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in rope.values()):
         refuse("rope parameters per layer type (nested rope_parameters) are not computed by the stages")

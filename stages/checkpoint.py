@@ -29,14 +29,9 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
+from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ACTS, SUPPORTED_ARCHS, uncomputable  # noqa: F401
 from stages.rope import RopeError, rope_parameters
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ACTS = ("silu",)
-# Stored dtypes a float tensor may be cast from; anything else (F8_E4M3 with its block scales, I8, ...) would be
-# read as plain numbers without the scheme that gives them meaning.
-FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FINGERPRINT_SAMPLE_BYTES = 64
@@ -211,19 +206,9 @@ def check_computable(config: dict, source: str | Path = "config.json") -> None:
     def refuse(why: str) -> None:
         raise CheckpointError(f"{why} (in {source})")
 
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHS:
-        refuse(f"unsupported architecture {arch!r}: not computed by the stages; supported: "
-               f"{', '.join(SUPPORTED_ARCHS)}")
-    act = config.get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTS:
-        refuse(f"hidden_act {act!r} is not computed by the stages (only {', '.join(SUPPORTED_ACTS)})")
-    quant = config.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        refuse(f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
-               "(float32/bfloat16/float16) checkpoint")
+    why = uncomputable(config)
+    if why is not None:
+        refuse(why)
     try:
         rope_parameters(config)
     except RopeError as e:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+from pool.computable import SUPPORTED_ROPE_TYPES  # shared with strata config check
 
 
 class RopeError(ValueError):
