@@ -48,9 +48,14 @@ ATOL = 1e-4
 def build_hf(path, arch: str, seed: int = 0, layers: int = 3, **extra):
     """A seeded random transformers model saved at `path`; weights larger than HF's init so logits spread."""
     config_cls, model_cls, arch_kw = ARCHS[arch]
+    return build_hf_model(path, config_cls, model_cls, seed, layers, **{**arch_kw, **extra})
+
+
+def build_hf_model(path, config_cls, model_cls, seed: int, layers: int, **extra):
+    """`build_hf` for any transformers config and model class (the MoE tests use it too)."""
     config = config_cls(
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, **{"max_position_embeddings": 512, **arch_kw, **extra},
+        num_key_value_heads=2, vocab_size=VOCAB, **{"max_position_embeddings": 512, **extra},
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()

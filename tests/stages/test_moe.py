@@ -19,7 +19,7 @@ from stages.checkpoint import Checkpoint, load_checkpoint
 from stages.model import StageModel
 from tests.stages.harness import Local, make_cfg
 from tests.stages.test_model_vs_transformers import (
-    ATOL, VOCAB, Stack, hf_logits, prompt_ids, random_tables, run_one,
+    ATOL, VOCAB, Stack, build_hf_model, hf_logits, prompt_ids, random_tables, run_one,
 )
 
 HF = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
@@ -43,21 +43,9 @@ VARIANTS = {
 
 
 def build_hf_moe(path, arch: str, layers: int, seed: int = 0, **extra):
-    """A seeded random transformers MoE model saved at `path`; weights larger than HF's init so logits spread."""
+    """A seeded random transformers MoE model saved at `path` (build_hf_model with the MoE shape)."""
     config_cls, model_cls = HF[arch]
-    config = config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
-                        **{**MOE_SHAPE, **extra})
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return build_hf_model(path, config_cls, model_cls, seed, layers, **{**MOE_SHAPE, **extra})
 
 
 @pytest.fixture(scope="module")
