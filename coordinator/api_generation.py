@@ -49,10 +49,13 @@ from starlette.responses import StreamingResponse
 
 from pool.config import Config
 
+from . import constraints
+from .answers import AnswerPlan, PlanError, plan_for
 from .api_errors import ApiError
 from .engine import Engine, EngineError, Finished, GenRequest, TokenEvent
 from .metrics import Metrics
 from .schemas import validation_message
+from .schemas_tools import ResponseFormat, ToolChoice, ToolSpec
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, Tokenizer
 
 
@@ -176,9 +179,16 @@ class Front:
             message, param = validation_message(err)
             raise ApiError.bad_request(message, param=param) from None
 
-    async def chat_ids(self, messages: list[dict], continue_final: bool = False, count: bool = False) -> list[int]:
-        """The rendered chat prompt as token ids (as `Tokenizer.chat_ids`); a template that refuses the
-        messages is a 400.
+    async def chat_ids(self, messages: list[dict], continue_final: bool = False, count: bool = False,
+                       tools: list[dict] | None = None, template_vars: dict | None = None) -> list[int]:
+        """The rendered chat prompt (`render_chat`) as token ids."""
+        text = self.render_chat(messages, continue_final, tools, template_vars)
+        return await self.encode(text, param="messages", count=count)
+
+    def render_chat(self, messages: list[dict], continue_final: bool = False, tools: list[dict] | None = None,
+                    template_vars: dict | None = None) -> str:
+        """The chat prompt text (as `Tokenizer.apply_chat_template`, with the tools and extra template variables
+        given); a template that refuses the messages is a 400.
 
         `continue_final` (Anthropic's prefill): when the last message is the assistant's, the prompt ends
         inside that turn, right after its content, and the completion continues it. As transformers'
@@ -187,10 +197,14 @@ class Front:
         that ends in whitespace, or that the template rewrites, is a 400.
         """
         final = messages[-1] if messages and continue_final and messages[-1]["role"] == "assistant" else None
-        if final is not None and not final["content"]:
+        if final is not None and not final["content"] and not final.get("tool_calls"):
             messages, final = messages[:-1], None
+        elif final is not None and final.get("tool_calls"):
+            raise ApiError.bad_request("the final assistant message (a prefill) cannot hold tool calls",
+                                       param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=final is None)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=final is None, tools=tools,
+                                                      **(template_vars or {}))
         except ChatTemplateError as err:  # raise_exception in the template: the client's messages did it
             raise ApiError.bad_request(str(err), param="messages") from None
         if final is not None:
@@ -203,7 +217,7 @@ class Front:
                 raise ApiError.bad_request("the final assistant message (a prefill) cannot be continued: this "
                                            "model's chat template rewrites it", param="messages")
             text = text[: cut + len(content.strip())]
-        return await self.encode(text, param="messages", count=count)
+        return text
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -235,8 +249,22 @@ class Front:
                 lambda: backend.encode_batch([text], add_special_tokens=False))
         return list(encodings[0].ids)
 
+    def answer_plan(self, prompt_text: str, tools: list[ToolSpec], choice: ToolChoice,
+                    id_prefix: str = "call_") -> AnswerPlan:
+        """How the answer is shaped (answers.py); tools this model's template cannot render are a 400."""
+        try:
+            return plan_for(self.tokenizer.chat_template, prompt_text, tools, choice, id_prefix)
+        except PlanError as err:
+            raise ApiError.bad_request(str(err), param=err.param) from None
+
+    def grammar_for(self, plan: AnswerPlan, choice: ToolChoice, response_format: ResponseFormat | None = None,
+                    thinking_budget: int | None = None) -> str | None:
+        """The grammar the answer follows (constraints.py), or None."""
+        return constraints.grammar_for(plan, choice, response_format, thinking_budget)
+
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
-                    logprobs: int = 0, ignore_eos: bool = False, prompt_param: str = "messages") -> GenRequest:
+                    logprobs: int = 0, ignore_eos: bool = False, prompt_param: str = "messages",
+                    grammar: str | None = None) -> GenRequest:
         """A GenRequest that fits `max_context`; `max_tokens` defaults to what the prompt leaves free.
         The tokenizer's eos ids end it, unless `ignore_eos` (then only max_tokens, or a stop string, does).
 
@@ -274,7 +302,7 @@ class Front:
         if sum(1 for _, b in bias if b <= -100) >= vocab:
             raise ApiError.bad_request("logit_bias: it bans every token of the vocabulary", param="logit_bias")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids)
-        return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs)
+        return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs, grammar=grammar)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])

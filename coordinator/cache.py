@@ -11,7 +11,11 @@ Rules:
   the parked table's place (it stays held).
 - `reserve` backs cells for a table, evicting idle conversations in `pool.policy.eviction_plan` order (all held
   conversations rank 1: cached, worth keeping; then least recently used) when that is what it takes, and
-  evicts nobody when even all of them would not cover it.
+  evicts nobody when even all of them would not cover it. A conversation counts the cells only it holds (a
+  chunk it shares with another table is freed only by the last holder); when those do not cover it, the
+  chunks only held conversations share count too (`pool.policy.shared_eviction_plan`).
+- `share(slot, chunks)` maps a shared run of full chunks (pool/chunk_map.py rules 12-17) into an empty slot;
+  releasing or evicting a table drops its references, and frees only the chunks no other table holds.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import logging
 
 from pool.chunk_map import ChunkMap, StaticMap
 from pool.logs import event
-from pool.policy import Candidate, eviction_plan
+from pool.policy import Candidate, eviction_plan, shared_eviction_plan
 
 from .conversations import Conversation
 
@@ -33,15 +37,16 @@ class ConversationCache:
         self.map = map
         self.n_slots = n_slots
         self.held: dict[int, Conversation] = {}  # table -> conversation (idle slots and parked tables)
-        self.counters = {"evictions": 0, "moves": 0}
+        self.counters = {"evictions": 0, "moves": 0, "shares": 0}
 
     def parked(self) -> list[int]:
         return [t for t in self.held if t >= self.n_slots]
 
     def hold(self, table: int, tokens: list[int]) -> None:
-        """`table` keeps the conversation whose K/V fill its cells [0, len(tokens)); the tail is given back."""
+        """`table` keeps the conversation whose K/V fill its cells [0, len(tokens)); the tail is given back
+        (and a shared chunk `tokens` ends inside, which the map never keeps in part)."""
         self.map.shrink(table, len(tokens))
-        self.held[table] = Conversation(table, tokens)
+        self.held[table] = Conversation(table, tokens[: self.map.held_cells(table)])
 
     def release(self, table: int) -> None:
         """Drop what `table` holds (a parked table is dropped with it)."""
@@ -99,13 +104,21 @@ class ConversationCache:
         conv.table = slot
         self.held[slot] = conv
 
+    def share(self, slot: int, chunks: list[int]) -> None:
+        """Map a shared run (`ChunkMap.lookup`) into `slot`, which must hold nothing."""
+        self.map.share(slot, chunks)
+        self.counters["shares"] += 1
+
     def reserve(self, table: int, cells: int) -> bool:
         """Back `cells` cells of `table`, evicting idle conversations if that is what it takes."""
         if self.map.reserve(table, cells):
             return True
-        cands = [Candidate(t, RANK_CACHED, c.last_used, self.map.held_cells(t))
+        cands = [Candidate(t, RANK_CACHED, c.last_used, self.map.exclusive_cells(t))
                  for t, c in self.held.items() if t != table]
-        plan = eviction_plan(self.map.free_cells, self.map.held_cells(table), cells, cands)
+        free, own = self.map.free_cells, self.map.held_cells(table)
+        plan = eviction_plan(free, own, cells, cands)
+        if plan is None:
+            plan = shared_eviction_plan(free, own, cells, cands, self.map.cells_freed_by)
         if not plan:
             return False
         for t in plan:

@@ -62,7 +62,7 @@ async def serve(cfg: Config) -> None:
         name = model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
     link = StageLink(cfg)
     await link.start()
-    scheduler = Scheduler(cfg, link, model_name=name)
+    scheduler = Scheduler(cfg, link, model_name=name, tokenizer=tokenizer)
     await scheduler.start()
     app = make_app(cfg, scheduler, tokenizer)
     c = cfg.coordinator

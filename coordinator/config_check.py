@@ -6,7 +6,7 @@ headers (the 8-byte length and the JSON that follows it) for the tensors' shapes
 (the coordinator never imports the stage package); its weights then come from the geometry.
 
 Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
-- pool: the stage's attention layers, K and V for every cell of `n_chunks + 1` chunks (the trash chunk
+- pool: the stage's full-attention layers (pool/layer_kinds.py: a linear-attention layer holds no cell), K and V for every cell of `n_chunks + 1` chunks (the trash chunk
   is allocated too): (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * head_dim * kv_bytes, plus for
   int8 the float32 scale per cell per head, (n_chunks + 1) * chunk_cells * layers * 2 * kv_heads * 4.
   Cross-checked against `pool.memory.PoolLayout`, which the stage uses to size its file (its header, a
@@ -34,7 +34,8 @@ a note names the quantized formats.
 Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
 a model the stages cannot compute (the same rules as `stages.checkpoint.check_computable`, which refuses it
 again at load: an architecture outside SUPPORTED_ARCHS, a `hidden_act` other than silu, a rope type outside
-SUPPORTED_ROPE_TYPES or a partial rotary factor, any `quantization_config`, a weight stored in a dtype other
+SUPPORTED_ROPE_TYPES or a partial rotary factor (but Qwen3-Next's), a layer kind other than full or linear
+attention, any `quantization_config`, a weight stored in a dtype other
 than F64/F32/F16/BF16), stages that do not cover the model's layers exactly once, a pool geometry the stage
 could not lay out, a `device_cells` a CUDA stage cannot run with (0: it has no other way to reach its K/V).
 """
@@ -53,7 +54,8 @@ from typing import Any
 
 import yaml
 
-from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, uncomputable  # noqa: F401
+from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, rotary_problem, uncomputable  # noqa: F401
+from pool.layer_kinds import FULL, layer_types
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
@@ -88,6 +90,11 @@ class ModelInfo:
     dtype: str                  # the stored dtype of the weights (config.json torch_dtype)
     weights_from: str           # "safetensors headers" | "config.json geometry" | "unknown"
     intermediate: int | None = None  # MLP width (config.json intermediate_size), for the scratch estimate
+    kinds: tuple[str, ...] = ()  # per layer (pool/layer_kinds.py); only full-attention layers hold pool cells
+
+    def pool_layers(self, first: int, last: int) -> int:
+        """The layers of [first, last) with K/V in the pool (all of them when no kinds are known)."""
+        return sum(k == FULL for k in self.kinds[first:last]) if self.kinds else last - first
 
 
 @dataclass(frozen=True)
@@ -172,9 +179,9 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         refuse(f"rope_type {rope_type!r} is not computed by the stages (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    partial = rope.get("partial_rotary_factor", conf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        refuse(f"partial_rotary_factor={partial} is not computed by the stages (only 1.0)")
+    partial = rotary_problem(conf)
+    if partial is not None:
+        refuse(partial)
     if rope_type in ("linear", "dynamic", "llama3") and rope.get("factor") is None:
         refuse(f"rope_type {rope_type!r} needs a 'factor'")
     odd = sorted(n for n, dt in (stored or {}).items() if dt not in LOADABLE_ST and n.startswith(("model.", "lm_head.")))
@@ -216,7 +223,7 @@ def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
         hidden=hidden, heads=heads, kv_heads=conf.get("num_key_value_heads", heads),
         head_dim=conf.get("head_dim") or hidden // heads, vocab=conf.get("vocab_size"),
         dtype=str(conf.get("torch_dtype") or conf.get("dtype") or "float32"), weights_from=weights_from,
-        intermediate=conf.get("intermediate_size"),
+        intermediate=conf.get("intermediate_size"), kinds=layer_types(conf),
     )
 
 
@@ -277,7 +284,7 @@ def _stage_figures(cfg: Config, i: int, info: ModelInfo, per_cell: int, kv_dtype
                    baseline_cells: int) -> StageFigures:
     """Stage i's host pool, device window, scratch and device total (module docstring)."""
     e, s = cfg.engine, cfg.stages[i]
-    n_layers = s.layers[1] - s.layers[0]
+    n_layers = info.pool_layers(*s.layers)
     pool_bytes = (e.n_chunks + 1) * e.chunk_cells * n_layers * per_cell
     try:
         layout = PoolLayout(n_layers, e.n_chunks, e.chunk_cells, info.kv_heads, info.head_dim, kv_dtype)

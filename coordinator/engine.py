@@ -44,6 +44,7 @@ class GenRequest:
 
     `sampling` has exactly the keys of `SAMPLING_DEFAULTS`. `logprobs` is how many top alternatives each
     TokenEvent carries in `top` (0: none); the sampled token's own logprob comes whenever the engine has it.
+    `grammar` (coordinator/grammar.py) restricts every sampled token to what it allows; None: no constraint.
     """
 
     request_id: str
@@ -52,6 +53,7 @@ class GenRequest:
     sampling: dict = field(default_factory=lambda: dict(SAMPLING_DEFAULTS))
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int = 0
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:prefix_cache_queries_total,
   vllm:prefix_cache_hits_total (both in tokens), vllm:request_success_total{finished_reason},
   strata:kv_pool_cells, strata:kv_pool_free_cells, strata:kv_pool_held_cells{slot},
+  strata:kv_pool_shared_cells (cells in chunks more than one table holds), strata:kv_pool_saved_cells (sum over
+  shared chunks of (tables holding it - 1) x chunk_cells: what the pool would hold on top without sharing),
   strata:kv_pool_evictions_total, strata:requests_refused_total{code} (the engine's refusals plus those the
   front decides itself, e.g. context_length_exceeded), strata:requests_truncated_total,
   and per stage with a device window (stages/window.py), labelled `stage="0"`...: strata:kv_window_frames,
@@ -208,6 +210,10 @@ class _LiveCollector(Collector):
         yield usage
         yield GaugeMetricFamily("strata:kv_pool_cells", "Cells in the shared KV pool.", value=cells)
         yield GaugeMetricFamily("strata:kv_pool_free_cells", "Cells of the pool no table holds.", value=free)
+        yield GaugeMetricFamily("strata:kv_pool_shared_cells", "Cells in chunks more than one table holds.",
+                                value=int(pool.get("shared", 0)))
+        yield GaugeMetricFamily("strata:kv_pool_saved_cells", "Cells sharing saves: sum over shared chunks of "
+                                "(tables holding it - 1) x chunk_cells.", value=int(pool.get("saved", 0)))
         held = GaugeMetricFamily("strata:kv_pool_held_cells", "Cells held per slot and per parked table.",
                                  labels=["slot"])
         for i, entry in enumerate(pool.get("slots", [])):

@@ -18,6 +18,10 @@ A stage that goes down fails the requests running or waiting; idle held conversa
 Its HELLO then reports the chunk generations its pool file holds (a restarted CPU stage re-attaches the file):
 a conversation whose chunks all have the generations of the chunk map is kept, the others are dropped.
 Session files (`save_slot`, `restore_slot`, coordinator/slot_files.py) pin their slot while they run.
+
+A request with a grammar gets its Matcher in `generate`, before it waits (a refused grammar is a 400 there);
+every step that samples it carries its mask in `header["masks"]`, and the sampled token advances the matcher;
+a finished grammar's eos ends the request with "stop", ignore_eos or not (coordinator/grammar.py rules 8-9).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
@@ -37,7 +41,12 @@ from . import views
 from .cache import ConversationCache
 from .conversations import best_match, worth_taking
 from .engine import EngineError, Finished, GenRequest, TokenEvent
+from .grammar import GrammarError, Matcher
 from .link import StageDown, StageLink, StepFailed
+from .prefix_sharing import choose, kept_by_move, shared_run
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 log = logging.getLogger("strata.scheduler")
 
@@ -56,6 +65,7 @@ class Job:
     in_flight: bool = False
     cancelled: bool = False
     done: bool = False
+    matcher: Matcher | None = None  # the request's grammar position, when it has a grammar
 
     @property
     def prefilling(self) -> bool:
@@ -66,17 +76,20 @@ class Job:
 class Scheduler:
     """The Engine the HTTP front talks to; it owns the chunk map, the slots and the conversation cache."""
 
-    def __init__(self, cfg: Config, link: StageLink, model_name: str = "tiny") -> None:
+    def __init__(self, cfg: Config, link: StageLink, model_name: str = "tiny",
+                 tokenizer: "Tokenizer | None" = None) -> None:
         e = cfg.engine
         self.cfg = cfg
         self.link = link
         self.model_name = model_name
+        self.tokenizer = tokenizer  # what grammars are matched against; None: a grammar is refused
         self.max_context = e.max_context
         self.parallel = e.parallel
         map_cls = ChunkMap if e.pool_on else StaticMap
         self.cache = ConversationCache(map_cls(e.n_chunks, e.chunk_cells, e.table_chunks, e.parallel), e.parallel)
         self.map = self.cache.map
         self.held = self.cache.held
+        self.sharing = e.pool_on and e.share_prefixes  # coordinator/prefix_sharing.py
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
@@ -124,7 +137,8 @@ class Scheduler:
         if len(self.waiting) >= self.cfg.engine.max_waiting:
             self._refused("queue_full")
             raise EngineError.queue_full(self.cfg.coordinator.retry_after_s)
-        job = Job(req, tokens=list(req.prompt))
+        matcher = await self._matcher(req) if req.grammar is not None else None
+        job = Job(req, tokens=list(req.prompt), matcher=matcher)
         self.waiting.append(job)
         self._wake.set()
         try:
@@ -190,11 +204,18 @@ class Scheduler:
         The slot is the matched conversation's own slot when it sits in one; otherwise an idle slot, whose held
         conversation is parked (moved out) first. A parked match comes into the slot by a table swap, which
         parks the slot's previous conversation in the matched table's place. A match not `worth_taking` is none.
+        A move or a shared run of full chunks, whichever coordinator/prefix_sharing.py `choose`s.
         """
         prompt = job.req.prompt
         match = best_match(prompt, [c for c in self.held.values() if c.table not in self.pinned])
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
+        shared = shared_run(self, prompt)
+        how = choose(match, kept_by_move(self, match) if match else 0, len(shared) * self.map.chunk_cells)
+        if how != "move":
+            match = None
+        if how != "share":
+            shared = []
         if match is not None and match.conversation.table < self.parallel:
             slot = match.conversation.table
         else:
@@ -209,8 +230,12 @@ class Scheduler:
             self.cache.park(slot)
         self.held.pop(slot, None)
         self.map.shrink(slot, reuse)
+        reuse = min(reuse, self.map.held_cells(slot))  # a chunk another table holds is never kept in part
+        if shared:
+            self.cache.share(slot, shared)
+            reuse = len(shared) * self.map.chunk_cells
         if not self.cache.reserve(slot, len(prompt)):
-            if reuse:
+            if reuse and not shared:
                 self.cache.hold(slot, list(prompt[:reuse]))
             else:
                 self.cache.release(slot)
@@ -226,6 +251,20 @@ class Scheduler:
         event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
         return True
 
+    # ---- grammars ----------------------------------------------------------------------------------
+    async def _matcher(self, req: GenRequest) -> Matcher:
+        """The request's Matcher over the last stage's vocabulary, built in a worker thread (grammar.py rule 9)."""
+        vocab = (self.link.stage_hello(len(self.cfg.stages) - 1) or {}).get("vocab")
+        try:
+            return await asyncio.to_thread(Matcher.for_request, self.tokenizer, vocab, req.grammar,
+                                           req.sampling.get("logit_bias"))
+        except GrammarError as err:
+            raise EngineError.invalid(f"grammar: {err}", param="grammar") from None
+
+    def _grammar_failed(self, job: Job, err: GrammarError, internal: bool = False) -> None:
+        message = f"grammar: {err}"
+        self._fail(job, EngineError.internal(message) if internal else EngineError.invalid(message, param="grammar"))
+
     # ---- steps -----------------------------------------------------------------------------------
     def _build_step(self) -> tuple[dict, list[int], list[Job]] | None:
         ready = [j for j in self.jobs if j is not None and not j.in_flight and not j.done]
@@ -235,7 +274,7 @@ class Scheduler:
         cap = max(1, math.ceil(active / len(self.cfg.stages)))
         ready.sort(key=lambda j: (j.prefilling, j.slot))  # decoders first: they are cheap and latency-bound
         budget = self.cfg.engine.prefill_chunk
-        slots, tokens, members, sampling = [], [], [], {}
+        slots, tokens, members, sampling, masks = [], [], [], {}, {}
         for job in ready[:cap]:
             start = job.fed
             todo = len(job.tokens) - start
@@ -250,6 +289,12 @@ class Scheduler:
                     self._finish(job, "length", truncated=True)
                     continue
             sample = int(start + n == len(job.tokens))
+            if sample and job.matcher is not None:
+                try:
+                    masks[job.slot] = job.matcher.mask()
+                except GrammarError as err:  # e.g. logit_bias bans all the grammar allows: this request alone
+                    self._grammar_failed(job, err)
+                    continue
             if start == job.cached and job.generated == 0:
                 params = dict(job.req.sampling, logprobs=job.req.logprobs)
                 if params.get("repetition_penalty", 1.0) != 1.0:
@@ -261,6 +306,8 @@ class Scheduler:
         if not members:
             return None
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
+        if masks:
+            header["masks"] = masks
         return header, tokens, members
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
@@ -296,9 +343,15 @@ class Scheduler:
                 continue
             _, token, logprob, top = sampled[slot]
             job.generated += 1
-            if token in job.req.stop_token_ids:
+            if token in job.req.stop_token_ids or (job.matcher is not None and job.matcher.finished):
                 self._finish(job, "stop")
                 continue
+            if job.matcher is not None:
+                try:
+                    job.matcher.advance(token)
+                except GrammarError as err:  # the last stage sampled past its mask
+                    self._grammar_failed(job, err, internal=True)
+                    continue
             job.tokens.append(token)
             job.events.put_nowait(TokenEvent(token, logprob, [tuple(t) for t in top] if top else None,
                                              cached_tokens=job.cached if job.generated == 1 else None))

@@ -4,14 +4,16 @@ Rules:
 - Every field of the OpenAI and Anthropic APIs either works or is refused: a wrong type or range, or a
   feature this server does not have yet, becomes HTTP 400 whose message and `param` name the field
   (`validation_message`), never FastAPI's 422 and never a silent no-op. A field of a feature not implemented
-  yet (unsupported_fields.py: tools, response formats, thinking, ...) passes only when null or at a value
-  that asks for nothing (`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`); the same
+  yet (unsupported_fields.py: audio, predicted outputs, the deprecated `functions`, ...) passes only when null
+  or at a value that asks for nothing (`functions: []`, `store: false`); the same
   goes for vLLM's and llama.cpp's extensions that clients written for those servers send. Fields that only describe the
   request (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, Anthropic `cache_control` markers:
   the prefix cache here is automatic) are type-checked and change nothing by their own definition. Names
-  that belong to neither API are ignored.
-- Message content arrives as a string or a list of text parts; it is normalised to one string here, and any
-  other part type (images, tool blocks) is refused with a message naming it.
+  that belong to neither API are ignored. Tools, tool choices, response formats, template variables and
+  Anthropic thinking are checked by schemas_tools.py.
+- OpenAI message content arrives as a string or a list of text parts; it is normalised to one string here, and
+  any other part type (images, audio) is refused with a message naming it. Anthropic content blocks become
+  chat-template messages in schemas_tools.anthropic_messages (text, tool_use, tool_result, thinking).
 - `logit_bias` (OpenAI routes): at most `MAX_LOGIT_BIAS` entries {"token id": bias}, bias in [-100, 100];
   -100 bans the token (stages/sampling.py). The ids are checked against the vocabulary by the front.
 - Only what the engine can do is accepted: n == 1, at most `MAX_STOPS_OPENAI` stop strings (OpenAI's own
@@ -34,6 +36,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic.json_schema import models_json_schema
 
+from . import schemas_tools as tf
 from . import unsupported_fields as unsupported
 from .engine import SAMPLING_DEFAULTS
 
@@ -76,9 +79,6 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     return "; ".join(p for p, _ in problems), first_param
 
 
-_TOOL_PARTS = frozenset({"tool_use", "tool_result", "server_tool_use", "mcp_tool_use", "mcp_tool_result"})
-
-
 def _join_text_parts(value: Any, what: str) -> Any:
     """A string stays; a list of {"type": "text", "text": ...} parts becomes their texts joined with "\\n"
     (as vLLM and `tokenizer.normalize_messages` join them)."""
@@ -89,8 +89,6 @@ def _join_text_parts(value: Any, what: str) -> Any:
         if not isinstance(part, dict):
             raise ValueError(f"{what} part {i} must be an object")
         kind = part.get("type")
-        if kind in _TOOL_PARTS:
-            raise ValueError(f"{what} part {i} has type {kind!r}: tool use is not supported yet by this server")
         if kind != "text":
             raise ValueError(f"{what} part {i} has type {kind!r}; only 'text' parts are supported")
         text = part.get("text")
@@ -145,8 +143,8 @@ class _OpenAISampling(_Body):
         "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}}, _NULL]})
     user: str | None = None
     ignore_eos: bool = False
+    response_format: tf.ResponseFormat | None = None
     # what this server does not do yet (see the module docstring)
-    response_format: unsupported.ResponseFormat = None
     service_tier: unsupported.ServiceTier = None
     min_tokens: unsupported.MinTokens = None
     stop_token_ids: unsupported.StopTokenIds = None
@@ -221,18 +219,12 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent | None = None
     name: str | None = None
-    tool_calls: unsupported.ToolCalls = None
-    tool_call_id: unsupported.ToolCallId = None
+    tool_calls: list[tf.MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning, as vLLM returns it
     function_call: unsupported.MessageFunctionCall = None
     audio: unsupported.MessageAudio = None
     refusal: unsupported.Refusal = None
-
-    @field_validator("role")
-    @classmethod
-    def _no_tool_role(cls, v: str) -> str:
-        if v == "tool":
-            raise ValueError("tool messages: tool calling is not supported yet by this server")
-        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -241,9 +233,16 @@ class ChatMessage(_Body):
 
     @model_validator(mode="after")
     def _needs_content(self) -> "ChatMessage":
-        """Only an assistant turn may come without content (OpenAI's rule: it may carry tool calls instead)."""
+        """Only an assistant turn may come without content (OpenAI's rule: it may carry tool calls instead);
+        tool calls belong to assistant turns, a tool_call_id to tool results."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message carries tool_calls, not a {self.role} message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only a tool message carries a tool_call_id, not a {self.role} message")
         return self
 
     def as_template_message(self) -> dict:
@@ -252,6 +251,12 @@ class ChatMessage(_Body):
         msg = {"role": role, "content": self.content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.template_form() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
         return msg
 
 
@@ -263,9 +268,9 @@ class ChatRequest(_OpenAISampling):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    tools: unsupported.Tools = None
-    tool_choice: unsupported.ToolChoice = None
-    parallel_tool_calls: unsupported.ParallelToolCalls = None
+    tools: list[tf.OpenAITool] | None = None
+    tool_choice: tf.OpenAIToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: unsupported.Functions = None
     function_call: unsupported.FunctionCall = None
     audio: unsupported.Audio = None
@@ -278,10 +283,39 @@ class ChatRequest(_OpenAISampling):
     store: unsupported.Store = None
     prompt_cache_retention: unsupported.PromptCacheControl = None
     prompt_cache_options: unsupported.PromptCacheControl = None
-    chat_template_kwargs: unsupported.TemplateKwargs = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: unsupported.GenerationPrompt = None
     continue_final_message: unsupported.ContinueFinal = None
     echo: unsupported.ChatEcho = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict | None) -> dict | None:
+        return tf.template_kwargs(v)
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, v: list | None) -> list | None:
+        if v:
+            tf.distinct_names([t.spec() for t in v])
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v: Any, info: ValidationInfo) -> Any:
+        tf.openai_choice([t.spec() for t in info.data.get("tools") or []], v, None)  # raises for a bad one
+        return v
+
+    @property
+    def tool_specs(self) -> list[tf.ToolSpec]:
+        return [t.spec() for t in self.tools or []]
+
+    @property
+    def chosen_tools(self) -> tf.ToolChoice:
+        return tf.openai_choice(self.tool_specs, self.tool_choice, self.parallel_tool_calls)
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -344,14 +378,21 @@ class CompletionRequest(_OpenAISampling):
 
 
 # ---- Anthropic ---------------------------------------------------------------------------------------
+_BLOCKS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type"]}}]}
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: TextContent
+    content: Annotated[str | list[dict], WithJsonSchema(_BLOCKS)]
 
-    @field_validator("content", mode="before")
+    @field_validator("content", mode="after")
     @classmethod
-    def _text(cls, v: Any) -> Any:
-        return _join_text_parts(v, "content block")
+    def _blocks(cls, v: Any, info: ValidationInfo) -> Any:
+        tf.anthropic_messages(info.data.get("role", "user"), v, "content")  # raises for a block it cannot take
+        return v
+
+    def template_messages(self) -> list[dict]:
+        return tf.anthropic_messages(self.role, self.content, "content")
 
 
 class _AnthropicPrompt(_Body):
@@ -359,9 +400,9 @@ class _AnthropicPrompt(_Body):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: TextContent | None = None
     cache_control: dict | None = None  # the prefix cache is automatic: a marker changes nothing
-    tools: unsupported.Tools = None
-    tool_choice: unsupported.AnthropicToolChoice = None
-    thinking: unsupported.Thinking = None
+    tools: list[tf.AnthropicTool] | None = None
+    tool_choice: tf.AnthropicToolChoiceBody | None = None
+    thinking: tf.ThinkingConfig | None = None
     output_config: unsupported.OutputConfig = None
     speed: unsupported.Speed = None
     mcp_servers: unsupported.McpServers = None
@@ -373,9 +414,37 @@ class _AnthropicPrompt(_Body):
     def _system_text(cls, v: Any) -> Any:
         return _join_text_parts(v, "system block")
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, v: list | None) -> list | None:
+        if v:
+            tf.distinct_names([t.spec() for t in v])
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v: Any, info: ValidationInfo) -> Any:
+        tf.anthropic_choice([t.spec() for t in info.data.get("tools") or []], v)  # raises for a bad one
+        return v
+
+    @property
+    def tool_specs(self) -> list[tf.ToolSpec]:
+        return [t.spec() for t in self.tools or []]
+
+    @property
+    def chosen_tools(self) -> tf.ToolChoice:
+        return tf.anthropic_choice(self.tool_specs, self.tool_choice)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """Tokens the reasoning may take when `thinking` is enabled; None when it is not."""
+        return self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None
+
     def template_messages(self) -> list[dict]:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": m.role, "content": m.content} for m in self.messages]
+        for m in self.messages:
+            msgs += m.template_messages()
+        return msgs
 
 
 class MessagesRequest(_AnthropicPrompt):

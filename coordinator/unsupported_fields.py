@@ -38,12 +38,8 @@ def not_yet(feature: str, *noop: Any) -> Any:
 
 
 # OpenAI
-Tools = not_yet("tool calling", [])
-ToolChoice = not_yet("tool calling", "none", "auto")
-ParallelToolCalls = not_yet("tool calling", True, False)  # without tools there is nothing to parallelise
 Functions = not_yet("function calling", [])
 FunctionCall = not_yet("function calling", "none", "auto")
-ResponseFormat = not_yet("a response format other than text", {"type": "text"})
 Audio = not_yet("audio output")
 Modalities = not_yet("an output modality other than text", ["text"])
 Prediction = not_yet("predicted outputs")
@@ -67,18 +63,13 @@ BeamSearch = not_yet("beam search", False)
 LengthPenalty = not_yet("a length penalty", 1.0)
 TypicalP = not_yet("typical sampling", 1.0)
 Guided = not_yet("guided decoding")
-TemplateKwargs = not_yet("chat template arguments", {})
 GenerationPrompt = not_yet("a prompt without the assistant turn", True)
 ContinueFinal = not_yet("continuing the final message", False)
 ChatEcho = not_yet("echoing the prompt", False)
-ToolCalls = not_yet("tool calling", [])
-ToolCallId = not_yet("tool calling")
 MessageFunctionCall = not_yet("function calling")
 MessageAudio = not_yet("audio")
 Refusal = not_yet("an assistant refusal")
 # Anthropic
-AnthropicToolChoice = not_yet("tool use", {"type": "none"}, {"type": "auto"})
-Thinking = not_yet("extended thinking", {"type": "disabled"})
 OutputConfig = not_yet("output configuration", {})
 Speed = not_yet("a speed mode", "standard")
 AnthropicServiceTier = not_yet("a service tier", "auto", "standard_only")

@@ -29,6 +29,11 @@ def live_metrics(sched: Scheduler) -> dict:
             "cells": sched.map.total_cells,
             "free": sched.map.free_cells,
             "chunk_cells": sched.cfg.engine.chunk_cells,
+            # Prefix sharing (pool/chunk_map.py rule 10): cells in chunks more than one table holds, and the
+            # cells the tables would hold on top without sharing. free + sum(held) = cells + saved.
+            "share_prefixes": sched.sharing,
+            "shared": sched.map.shared_cells,
+            "saved": sched.map.saved_cells,
             "slots": slots,
             "parked": parked,
         },

@@ -3,13 +3,19 @@ stages/rope.py) and for `strata config check`, which refuses it before anything 
 config_check.py; the coordinator does not import the stage package). No torch here.
 
 `uncomputable(config)` names the first of: an architecture outside SUPPORTED_ARCHS, a `hidden_act` outside
-SUPPORTED_ACTS, any `quantization_config` (FP8 blocks, GPTQ, AWQ, ...: the stages compute plain float weights);
-None when none applies. The rope is checked by each side as it reads it.
+SUPPORTED_ACTS, any `quantization_config` (FP8 blocks, GPTQ, AWQ, ...: the stages compute plain float weights),
+a layer kind or linear-attention geometry the stages do not compute (pool/layer_kinds.py); None when none
+applies. The rope is checked by each side as it reads it; a partial rotary factor only for the architectures of
+PARTIAL_ROTARY_ARCHS (which rotate the first `head_dim * factor` dims of each head; the others rotate all).
 """
 from __future__ import annotations
 
+from pool.layer_kinds import linear_problem
+
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+# Architectures whose rotary embedding covers a fraction of each head -> the factor their config defaults to.
+PARTIAL_ROTARY_ARCHS = {"Qwen3NextForCausalLM": 0.25}
 SUPPORTED_ACTS = ("silu",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Stored dtypes a float tensor may be cast from; anything else (F8_E4M3 with its block scales, I8, ...) would be
@@ -30,4 +36,30 @@ def uncomputable(config: dict) -> str | None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         return (f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
                 "(float32/bfloat16/float16) checkpoint")
+    return linear_problem(config)
+
+
+def rotary_factor(config: dict) -> float:
+    """The fraction of each head the rotary embedding covers: `partial_rotary_factor` in `rope_parameters` (or
+    `rope_scaling`), else at the top level, else the architecture's default (PARTIAL_ROTARY_ARCHS), else 1.0."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    arch = (config.get("architectures") or [None])[0]
+    default = PARTIAL_ROTARY_ARCHS.get(arch, 1.0)
+    return float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default)))
+
+
+def rotary_problem(config: dict) -> str | None:
+    """Why the stages cannot rotate this config's heads (a partial factor outside PARTIAL_ROTARY_ARCHS, or one
+    that leaves an odd or empty rotary part of the head), or None."""
+    factor = rotary_factor(config)
+    if factor == 1.0:
+        return None
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in PARTIAL_ROTARY_ARCHS:
+        return f"partial_rotary_factor={factor} is not computed by the stages for {arch} (only 1.0)"
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dim = int(head_dim * factor)
+    if not 0 < factor <= 1 or dim < 2 or dim % 2:
+        return (f"partial_rotary_factor={factor} gives a rotary part of {dim} of head_dim {head_dim}; it must be "
+                "even and at least 2")
     return None

@@ -89,6 +89,9 @@ class EngineConfig(_Strict):
     # Cells of the device window per stage (pool/window_plan.py): "auto" = the whole pool on CUDA when it
     # fits, off on CPU; a number turns a CPU stage's window on too.
     device_cells: int | Literal["auto"] = "auto"
+    # Pool on: a new request maps full chunks of another conversation's identical prefix instead of reading
+    # them again (pool/chunk_map.py rules 12-17, coordinator/prefix_sharing.py). No effect with the pool off.
+    share_prefixes: bool = True
 
     @field_validator("device_cells")
     @classmethod

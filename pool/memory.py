@@ -28,6 +28,8 @@ Rules:
   a layout whose arrays are not whole multiples of 64 bytes is refused (a chunk_cells that is a multiple of
   16 always works for float32 and for the scales).
 - The header is counted apart (`header_nbytes`), so the size report of the KV proper stays exact.
+- `n_layers` counts the stage's full-attention layers only (pool/layer_kinds.py); it may be 0 (a stage of
+  linear-attention layers): the file is then its header alone, which still carries the chunks' generations.
 - The file is sized up front (`posix_fallocate`, on tmpfs this takes the pages now rather than failing with
   SIGBUS at a later write), filled with zeros, and appears under its final name only once its header is
   written (created under a temporary name, then renamed), so an attacher never reads half a header.
@@ -89,8 +91,9 @@ class PoolLayout:
     def __post_init__(self) -> None:
         for name in _LAYOUT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PoolLayout.{name} must be a positive int, got {value!r}")
+            least = 0 if name == "n_layers" else 1  # a stage of linear-attention layers only has no K/V arrays
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"PoolLayout.{name} must be an int >= {least}, got {value!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"PoolLayout.kv_dtype {self.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
         for which in self.arrays:

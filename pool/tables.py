@@ -1,12 +1,13 @@
 """What ChunkMap and StaticMap share (bookkeeping only, no torch): table rows, held chunks, generations, the
 version and the op log; and `region`, the fixed chunks of a StaticMap table.
 
-The rules are pool/chunk_map.py's: version and ops (rules 8 and 11), generations (9), counters (10).
+The rules are pool/chunk_map.py's: version and ops (rules 8 and 11), generations (9), counters (10); the
+sharing counters (10, 17) have the values of a map that never shares, which ChunkMap overrides.
 `Tables` is not used alone: ChunkMap and StaticMap supply `free_chunks`, `shrink` and how chunks are handed out.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 Op = list[Any]
 
@@ -76,21 +77,39 @@ class Tables:
     def held_cells(self, t: int) -> int:
         return self._held[self._check(t)] * self.chunk_cells
 
+    @property
+    def shared_cells(self) -> int:
+        """Cells in chunks more than one table holds (ChunkMap rule 10); none without sharing."""
+        return 0
+
+    @property
+    def saved_cells(self) -> int:
+        """Sum over chunks of (tables holding it - 1) * chunk_cells (ChunkMap rule 10); none without sharing."""
+        return 0
+
+    def exclusive_cells(self, t: int) -> int:
+        """Cells only `t` holds, what evicting it alone gives back (ChunkMap rule 17); all it holds here."""
+        return self.held_cells(t)
+
+    def cells_freed_by(self, tables: Iterable[int]) -> int:
+        """Cells that evicting every table of `tables` gives back (ChunkMap rule 17)."""
+        return sum(self.held_cells(t) for t in set(tables))
+
     def generation(self, chunk: int) -> int:
         if not 0 <= chunk <= self.n_chunks:
             raise IndexError(f"chunk {chunk} is outside 0..{self.n_chunks} (trash = {self.n_chunks})")
         return self._generations[chunk]
 
     def generations_of(self, ops: Sequence[Op]) -> list[list[int]]:
-        """[[chunk, generation now], ...] for every chunk `ops` give to a table or write bytes into ("set"
-        entries that are not trash, the region cells an "exchange" rewrites), each once, ascending.
+        """[[chunk, generation now], ...] for every chunk `ops` give to a table or write bytes into ("set" and
+        "share" entries that are not trash, the region cells an "exchange" rewrites), each once, ascending.
 
         A stage records these beside its K/V when it applies the ops, so after a crash it can report which
         owners its bytes belong to (rule 9 of pool/chunk_map.py). Freed chunks are not listed: no table holds them.
         """
         chunks: set[int] = set()
         for op in ops:
-            if op[0] == "set":
+            if op[0] in ("set", "share"):
                 chunks.update(c for _, c in op[3] if c != self.trash)
             elif op[0] == "exchange":
                 n = self._chunks_for(op[4])

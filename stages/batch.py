@@ -21,6 +21,9 @@ batch (`B` entries, `Q` = the largest n); attention no longer uses them, so they
 
 Building a step makes one tensor (the positions) plus what the groups need; every other index tensor is made
 on first read.
+
+`state_entries[b]` is the linear-attention state entry (stages/state_pool.py) entry b reads and writes; by default
+its slot. Two entries of one step never name the same state entry (they would race on it).
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class StepBatch:
     sample_slots: list[int]  # the slots of the entries with sample=1, in entry order
     groups: list[AttentionGroup]  # the decode group first (when there are decodes), then one per prefill entry
     cu: list[int]  # cu_seqlens as a list
+    state_entries: list[int] = field(default_factory=list)  # per entry; from_slots: the slot unless given
     # Per-step values derived from the KV tables (attention fills it): the tables must not change mid-step.
     cache: dict = field(default_factory=dict, repr=False)
 
@@ -160,11 +164,12 @@ class StepBatch:
         return t.to(self.device, non_blocking=True)
 
     @classmethod
-    def from_slots(cls, slots: list, device: torch.device | str = "cpu") -> "StepBatch":
-        """Build the step from `[[slot, start, n, sample], ...]`.
+    def from_slots(cls, slots: list, device: torch.device | str = "cpu",
+                   state_entries: list[int] | None = None) -> "StepBatch":
+        """Build the step from `[[slot, start, n, sample], ...]` and, optionally, one state entry per entry.
 
         Rules: at least one entry; n >= 1; start >= 0; sample is 0 or 1; a slot appears at most once per step
-        (two entries writing one table in one step would race).
+        (two entries writing one table in one step would race), and so does a state entry.
         """
         entries = [tuple(int(v) for v in e) for e in slots]
         if not entries:
@@ -176,6 +181,10 @@ class StepBatch:
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one step")
             seen.add(slot)
+        states = [e[0] for e in entries] if state_entries is None else [int(v) for v in state_entries]
+        if len(states) != len(entries) or min(states) < 0 or len(set(states)) != len(states):
+            raise ValueError(f"state entries {list(state_entries or [])} for {len(entries)} step entries: one "
+                             "non-negative entry each, none twice")
         device = torch.device(device)
         cu = [0]
         for e in entries:
@@ -194,6 +203,7 @@ class StepBatch:
             sample_slots=[e[0] for e in entries if e[3]],
             groups=_groups(entries, cu, device),
             cu=cu,
+            state_entries=states,
         )
 
 

@@ -13,13 +13,23 @@ Qwen2-MoE and Qwen3-MoE layers are the Qwen2 / Qwen3 layer with the MLP of a spa
 routed experts of stages/moe.py (`mlp_only_layers` and `decoder_sparse_step` keep some layers dense); their
 sliding windows follow transformers' rules for each (Qwen3-MoE: every layer when `use_sliding_window`).
 
+Qwen3-Next mixes two layer kinds (pool/layer_kinds.py): a linear-attention layer replaces attention by the Gated
+DeltaNet of stages/linear_attention.py, whose state lives in a StatePool (stages/state_pool.py), not in the KV
+pool; a full-attention layer is the Qwen3 layer with an output gate, `attention(...) * sigmoid(gate)` before
+o_proj (q_proj's rows interleave q and gate per head), a rotary embedding over the first `head_dim *
+partial_rotary_factor` dims of each head, and every RMSNorm but the gated one scaling by (1 + weight) (kept as
+float32 `1 + weight` at load, applied before the cast back, as transformers does). Its MLPs are Qwen2-MoE's.
+
 The first stage also holds the embedding, the last one the final norm and lm_head (the embedding when tied).
-Local layer l of the stage is global layer `first + l`; the KV cache is indexed by local layer.
+Local layer l of the stage is global layer `first + l`. The KV cache holds the full-attention layers only, in
+order (`kv_layers[l]`: layer l's index there, None for a linear layer); the state pool the linear ones
+(`linear_layers[l]`).
 
 Fused at load time, so a step makes fewer, larger calls (each call has a fixed cost that a small batch of
 decodes does not hide):
 
     qkv.weight       [q | k | v] rows of q_proj, k_proj, v_proj        one linear for all three
+                     (+ [| gate] with an output gate: q_proj's gate rows, after v)
     gate_up.weight   [gate | up] rows of gate_proj, up_proj            one linear for both
     qk_norm.weight   [heads + kv_heads, head_dim]: q_norm per q head, k_norm per k head (Qwen3, Qwen3-MoE)
     experts.*        a sparse layer's experts stacked along a first expert axis (stages/moe.py); unlike the
@@ -42,14 +52,19 @@ from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
+from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
 from stages.rope import Rope, apply_rope
+from stages.state_pool import StatePool
 from stages.window import StepView
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+GATED_ARCHS = ("Qwen3NextForCausalLM",)  # attention output gate; (1 + weight) RMSNorms
+_OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight")
 ROPE_TABLE_MIN = 1024  # positions in the first rotary table
 ROPE_TABLE_MAX = 65536  # past this, cos/sin are computed per step (a table would be [positions, head_dim] x 2)
 
@@ -69,6 +84,8 @@ class ModelSpec:
     rms_norm_eps: float
     sliding_windows: tuple[int | None, ...]
     moe: MoESpec | None = None  # None: every layer's MLP is dense
+    linear: LinearSpec | None = None  # None: every layer is attention over the pool
+    gated: bool = False  # attention output gate and (1 + weight) RMSNorms (GATED_ARCHS)
 
     @classmethod
     def from_config(cls, config: dict, arch: str) -> "ModelSpec":
@@ -89,11 +106,17 @@ class ModelSpec:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             sliding_windows=_sliding_windows(config, arch, n_layers),
             moe=moe,
+            linear=LinearSpec.from_config(config),
+            gated=arch in GATED_ARCHS,
         )
 
     def is_sparse(self, layer: int) -> bool:
         """Global layer `layer` routes through experts (stages/moe.py) instead of a dense MLP."""
         return self.moe is not None and self.moe.sparse[layer]
+
+    def is_linear(self, layer: int) -> bool:
+        """Global layer `layer` is linear attention (stages/linear_attention.py): no K/V in the pool."""
+        return self.linear is not None and self.linear.linear[layer]
 
 
 def _sliding_windows(config: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
@@ -128,6 +151,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * F.rms_norm(x, (x.shape[-1],), None, eps)  # a weight per head (qk_norm.weight)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:  # a float32 (1 + weight) of a gated arch: scaled before the cast back
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -163,6 +188,9 @@ class StageModel:
         self.scale = self.spec.head_dim**-0.5
         self.rope = Rope(ckpt.config, self.spec.head_dim, self.device)
         self.sliding_windows = self.spec.sliding_windows[first:last]
+        linear = [self.spec.is_linear(g) for g in range(first, last)]
+        self.kv_layers = [None if x else linear[:i].count(False) for i, x in enumerate(linear)]
+        self.linear_layers = [linear[:i].count(True) if x else None for i, x in enumerate(linear)]
 
         names = self._tensor_names(ckpt)
         w = ckpt.tensors(names, self.device, self.dtype, label=f"layers {first}-{last - 1}")
@@ -171,6 +199,8 @@ class StageModel:
         self._rope_sin: torch.Tensor | None = None
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
+        if self.spec.gated and self.norm is not None:
+            self.norm = 1.0 + self.norm.float()
         self.lm_head = None
         if self.is_last:
             self.lm_head = w["model.embed_tokens.weight" if ckpt.tie_word_embeddings else "lm_head.weight"]
@@ -181,6 +211,12 @@ class StageModel:
         layer = {key[len(p):]: w.pop(key) for key in [k for k in w if k.startswith(p)]}
         if self.spec.is_sparse(g):
             stack_experts(layer, self.spec.moe)
+        if self.spec.gated:
+            for name in _OFFSET_NORMS:
+                if name in layer:
+                    layer[name] = 1.0 + layer[name].float()
+        if self.spec.is_linear(g):
+            fuse_linear(layer, self.spec.linear.geometry)  # type: ignore[union-attr]
         return _fuse(layer, self.spec)
 
     def _tensor_names(self, ckpt: Checkpoint) -> list[str]:
@@ -189,7 +225,9 @@ class StageModel:
         for g in range(self.first, self.last):
             p = f"model.layers.{g}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            projections = [f"self_attn.{m}" for m in _ATTN]
+            projections = [] if self.spec.is_linear(g) else [f"self_attn.{m}" for m in _ATTN]
+            if self.spec.is_linear(g):
+                names += linear_tensor_names(p)
             if self.spec.is_sparse(g):
                 names += sparse_tensor_names(p, self.spec.moe)
             else:
@@ -198,7 +236,7 @@ class StageModel:
                 names.append(p + m + ".weight")
                 if ckpt.has_tensor(p + m + ".bias"):
                     names.append(p + m + ".bias")
-            if self.spec.arch in QK_NORM_ARCHS:
+            if self.spec.arch in QK_NORM_ARCHS and not self.spec.is_linear(g):
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if self.is_first:
             names.append("model.embed_tokens.weight")
@@ -220,6 +258,21 @@ class StageModel:
         return self.last - self.first
 
     @property
+    def num_kv_layers(self) -> int:
+        """Local layers with K/V in the pool (the full-attention ones)."""
+        return sum(i is not None for i in self.kv_layers)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(i is not None for i in self.linear_layers)
+
+    def new_state_pool(self, n_entries: int) -> StatePool | None:
+        """A StatePool of `n_entries` for this stage's linear layers; None when it holds none."""
+        if not self.num_linear_layers:
+            return None
+        return StatePool(n_entries, self.num_linear_layers, self.spec.linear.geometry, self.dtype, self.device)  # type: ignore[union-attr]
+
+    @property
     def kv_heads(self) -> int:
         return self.spec.kv_heads
 
@@ -235,21 +288,27 @@ class StageModel:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def __call__(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
-        return self.forward(batch, kv, x, logits_all)
+    def __call__(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False,
+                 state: StatePool | None = None) -> torch.Tensor:
+        return self.forward(batch, kv, x, logits_all, state)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False) -> torch.Tensor:
-        """Run one step. `x`: int token ids `[T]` on the first stage, hidden `[T, hidden]` otherwise.
+    def forward(self, batch: StepBatch, kv: KVCache | StepView, x: torch.Tensor, logits_all: bool = False,
+                state: StatePool | None = None) -> torch.Tensor:
+        """Run one step. `x`: int token ids `[T]` on the first stage, hidden `[T, hidden]` otherwise; `state`: the
+        stage's StatePool (`new_state_pool`), needed when it holds linear-attention layers.
 
         Returns hidden `[T, hidden]` (model dtype) on a non-last stage; on the last stage float32 logits for
         `batch.sample_rows` (`[S, vocab]`), or for every row with `logits_all=True`.
         """
-        if kv.n_layers != self.num_local_layers or kv.kv_heads != self.kv_heads or kv.head_dim != self.head_dim:
+        if kv.n_layers != self.num_kv_layers or kv.kv_heads != self.kv_heads or kv.head_dim != self.head_dim:
             raise ValueError(
                 f"KV cache has {kv.n_layers} layers x {kv.kv_heads} kv heads x {kv.head_dim}, the stage needs "
-                f"{self.num_local_layers} x {self.kv_heads} x {self.head_dim}"
+                f"{self.num_kv_layers} x {self.kv_heads} x {self.head_dim}"
             )
+        if self.num_linear_layers and (state is None or state.n_layers != self.num_linear_layers):
+            raise ValueError(f"the stage holds {self.num_linear_layers} linear-attention layers and needs a state "
+                             f"pool of as many, got {'none' if state is None else state.n_layers}")
         if x.shape[0] != batch.num_tokens:
             raise ValueError(f"step has {batch.num_tokens} tokens but the input has {x.shape[0]} rows")
         if self.is_first:
@@ -257,8 +316,12 @@ class StageModel:
         else:
             h = x.to(self.device, self.dtype)
         cos, sin = self._cos_sin(batch)
+        if state is not None and self.num_linear_layers:
+            state.begin(batch)
         for local, layer in enumerate(self.layers):
-            h = self._layer(local, layer, h, cos, sin, batch, kv)
+            h = self._layer(local, layer, h, cos, sin, batch, kv, state)
+        if state is not None and self.num_linear_layers:
+            state.commit(batch)
         if not self.is_last:
             return h
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
@@ -283,19 +346,27 @@ class StageModel:
         sin: torch.Tensor,
         batch: StepBatch,
         kv: KVCache | StepView,
+        state: StatePool | None,
     ) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
         eps, heads, kv_heads, head_dim = s.rms_norm_eps, s.num_heads, s.kv_heads, s.head_dim
         h = rms_norm(x, w["input_layernorm.weight"], eps)
-        qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
-        qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
-        v = qkv[:, (heads + kv_heads) * head_dim:].view(n, kv_heads, head_dim)
-        if "qk_norm.weight" in w:
-            qk = rms_norm(qk, w["qk_norm.weight"], eps)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        attn = _attend(kv, local, batch, q, k, v, self.scale, self.sliding_windows[local])
-        x = x + _linear(attn, w, "self_attn.o_proj")
+        linear = self.linear_layers[local]
+        if linear is not None:
+            x = x + linear_attention(h, w, s.linear, batch, state, linear)  # type: ignore[arg-type]
+        else:
+            qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
+            qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim:(heads + 2 * kv_heads) * head_dim].view(n, kv_heads, head_dim)
+            if "qk_norm.weight" in w:
+                qk = rms_norm(qk, w["qk_norm.weight"], eps)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            attn = _attend(kv, self.kv_layers[local], batch, q, k, v, self.scale,  # type: ignore[arg-type]
+                           self.sliding_windows[local])
+            if s.gated:
+                attn = attn * torch.sigmoid(qkv[:, (heads + 2 * kv_heads) * head_dim:])
+            x = x + _linear(attn, w, "self_attn.o_proj")
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
         if "experts.gate_up" in w:
             return x + moe_mlp(h, w, s.moe)
@@ -319,10 +390,23 @@ def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Ten
     return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
 
 
+def _split_gate(w: dict[str, torch.Tensor], spec: ModelSpec) -> None:
+    """q_proj of a gated arch holds [q_h | gate_h] rows per head: keep the q rows, move the gate rows apart."""
+    for kind in ("weight", "bias"):
+        name = f"self_attn.q_proj.{kind}"
+        if name in w:
+            t = w[name].view(spec.num_heads, 2, spec.head_dim, *w[name].shape[1:])
+            w[name] = t[:, 0].reshape(spec.num_heads * spec.head_dim, *t.shape[3:])
+            w[f"self_attn.q_gate.{kind}"] = t[:, 1].reshape(spec.num_heads * spec.head_dim, *t.shape[3:])
+
+
 def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Add the fused tensors (module docstring) to one layer's dict; the parts become row views of them."""
-    for fused, parts in (("qkv", [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]),
-                         ("gate_up", ["mlp.gate_proj", "mlp.up_proj"])):
+    attn = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
+    if spec.gated:
+        _split_gate(w, spec)
+        attn.append("self_attn.q_gate")
+    for fused, parts in (("qkv", attn), ("gate_up", ["mlp.gate_proj", "mlp.up_proj"])):
         if parts[0] + ".weight" not in w:
             continue  # a sparse layer has no dense MLP
         weights = [w[p + ".weight"] for p in parts]

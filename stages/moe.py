@@ -1,4 +1,5 @@
-"""The sparse MLP of Qwen2-MoE and Qwen3-MoE: a router, `num_experts` small MLPs, and (Qwen2-MoE) a shared expert.
+"""The sparse MLP of Qwen2-MoE, Qwen3-MoE and Qwen3-Next: a router, `num_experts` small MLPs, and (Qwen2-MoE,
+Qwen3-Next) a shared expert.
 
 Rules, as transformers computes them (the checkpoints were trained with them, and tests compare against them):
 - Which layers are sparse: layer i (global index) is sparse when `i not in mlp_only_layers`, `num_experts > 0`
@@ -9,7 +10,7 @@ Rules, as transformers computes them (the checkpoints were trained with them, an
   The weights are cast back to the model dtype before they scale the experts' outputs.
 - Expert e: `down_e(silu(gate_e(h)) * up_e(h))` of `moe_intermediate_size`; the block's output for a token is
   the weighted sum of its top_k experts' outputs.
-- Shared expert (Qwen2-MoE only, present whenever the architecture is): a dense MLP of
+- Shared expert (Qwen2-MoE and Qwen3-Next, present whenever the architecture is): a dense MLP of
   `shared_expert_intermediate_size` over every token, scaled by `sigmoid(h @ mlp.shared_expert_gate.weight.T)`
   (one scalar per token) and added to the experts' sum.
 
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SHARED_EXPERT_ARCHS = ("Qwen2MoeForCausalLM",)
-MOE_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SHARED_EXPERT_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+MOE_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
 _EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from pool.computable import SUPPORTED_ROPE_TYPES  # shared with strata config check
+from pool.computable import SUPPORTED_ROPE_TYPES, rotary_factor, rotary_problem  # shared with strata config check
 
 
 class RopeError(ValueError):
@@ -27,7 +27,8 @@ def rope_parameters(config: dict) -> dict:
     """One flat dict with `rope_type`, `rope_theta` and the type's keys, from either config.json layout.
 
     transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints write `rope_theta` at the top
-    level and `rope_scaling` (with `type` or `rope_type`, or null). llama3 and yarn fall back to
+    level and `rope_scaling` (with `type` or `rope_type`, or null). `partial_rotary_factor` is always set
+    (`pool.computable.rotary_factor`); other than 1.0 only where the architecture rotates part of each head. llama3 and yarn fall back to
     `max_position_embeddings` for `original_max_position_embeddings`, as transformers does; a top-level
     `original_max_position_embeddings` takes priority, as transformers does.
     """
@@ -38,13 +39,14 @@ def rope_parameters(config: dict) -> dict:
     legacy_type = params.pop("type", None)
     params.setdefault("rope_type", legacy_type or "default")
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if "partial_rotary_factor" in config:
-        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    params["partial_rotary_factor"] = rotary_factor(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise RopeError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise RopeError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0)")
+    if params["partial_rotary_factor"] != 1.0:
+        why = rotary_problem(config)
+        if why is not None:
+            raise RopeError(why)
     if rope_type in ("llama3", "yarn"):
         if config.get("original_max_position_embeddings"):
             params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
@@ -147,7 +149,11 @@ def _yarn(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, heads, head_dim]` by per-token `cos`/`sin [T, head_dim]` (the rotate-half convention)."""
+    """Rotate `x [T, heads, head_dim]` by per-token `cos`/`sin [T, rotary_dim]` (the rotate-half convention); with
+    a partial rotary factor (rotary_dim < head_dim) the dims past rotary_dim pass through unrotated."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -159,10 +165,10 @@ class Rope:
 
     def __init__(self, config: dict, head_dim: int, device: torch.device | str = "cpu") -> None:
         self.params = rope_parameters(config)
-        self.head_dim = head_dim
+        self.head_dim = int(head_dim * self.params["partial_rotary_factor"])  # the rotated dims of each head
         self.max_position_embeddings = config.get("max_position_embeddings")
         self.inv_freq, self.attention_scaling = rope_init(
-            self.params, head_dim, self.max_position_embeddings, device=device
+            self.params, self.head_dim, self.max_position_embeddings, device=device
         )
         self.dynamic = self.params["rope_type"] == "dynamic"
 

@@ -127,7 +127,7 @@ class StageRunner:
         self.config_fp = cfg.fingerprint()
         self.kv_dtype = "int8" if e.kv_dtype == "int8" else kv_dtype_name(self.dtype)
         self.n_slots, self.table_chunks = e.parallel, e.table_chunks
-        layout = PoolLayout(self.model.num_local_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads,
+        layout = PoolLayout(self.model.num_kv_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads,
                             self.model.head_dim, self.kv_dtype)
         # The pool file is the K/V's home on every device: mapped here, pinned on CUDA, re-attached after a crash.
         path = Path(pool_path) if pool_path else default_path(f"{self.config_fp}-stage{index}")
@@ -140,6 +140,8 @@ class StageRunner:
         self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
                           self.kv_dtype, "cpu", self.n_slots, self.table_chunks, storage=storage)
         self.window = self._window(layout)
+        # Linear-attention layers (stages/state_pool.py): one state entry per slot, the step's default entries.
+        self.state = self.model.new_state_pool(self.n_slots)
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
         if self.model.is_last:
@@ -151,6 +153,8 @@ class StageRunner:
     def _window(self, layout: PoolLayout) -> DeviceWindow | None:
         """The device window over the pool (stages/window.py), sized by pool/window_plan.py; None when off."""
         e, spec = self.cfg.engine, self.model.spec
+        if not layout.n_layers:
+            return None  # linear-attention layers only: no K/V to window
         frame = frame_bytes(e.chunk_cells, layout.bytes_per_cell, layout.n_layers)
         free = weights = None
         scratch = 0
@@ -192,6 +196,7 @@ class StageRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "pid": os.getpid(),
             "version": self.mirror.version,
+            "vocab": self.model.vocab_size,  # logits per sampled row: the size of a grammar mask
             "generations": list(self.memory.generations[: e.n_chunks]),
         }
 
@@ -224,6 +229,8 @@ class StageRunner:
         (a restarted stage rejoining the coordinator that sent them keeps them for it to compare)."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
         self.kv.clear_tables()
+        if self.state is not None:
+            self.state.forget()
         if session is not None and self.memory.session != session:
             if self.window is not None:
                 self.window.clear()  # generations restart with the new session (stages/window.py rule 2)
@@ -246,6 +253,9 @@ class StageRunner:
         directory = self.cfg.engine.slot_save_path
         if not directory:
             raise SnapshotError("session files are disabled on this stage (engine.slot_save_path is not set)")
+        if self.state is not None:
+            raise SnapshotError("session files do not hold linear-attention state; this stage has "
+                                f"{self.model.num_linear_layers} linear-attention layers")
         cells = req["cells"]
         if not 0 < cells <= self.max_context:
             raise SnapshotError(f"{cells} cells: a session file holds 1..max_context={self.max_context} cells")
@@ -292,7 +302,8 @@ class StageRunner:
 
     # ---- steps ---------------------------------------------------------------------------------------
     def check_step(self, header: dict) -> None:
-        """Raise StaleStep unless the step's table version is the mirror's; ValueError for a bad slot entry."""
+        """Raise StaleStep unless the step's table version is the mirror's; ValueError for a bad slot entry,
+        SharedWrite (a ValueError) for one that would write into a chunk another table holds."""
         sid, version = header.get("step"), header.get("version")
         if version != self.mirror.version:
             raise StaleStep(
@@ -304,6 +315,7 @@ class StageRunner:
                 raise ValueError(f"step {sid}: slot {slot} does not exist (parallel={self.n_slots})")
             if start + n > self.max_context:
                 raise ValueError(f"step {sid}: slot {slot} reaches cell {start + n}, max_context is {self.max_context}")
+            self.mirror.check_write(slot, start, n, self.cfg.engine.chunk_cells, step=sid)  # SharedWrite
 
     def step(self, header: dict, tokens: torch.Tensor | None, hidden: torch.Tensor | None) -> Any:
         """Run one step: hidden `[T, hidden]` on a non-last stage, RESULT token rows on the last.
@@ -323,22 +335,24 @@ class StageRunner:
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
         if self.window is None:
-            out = self.model.forward(batch, self.kv, x)
+            out = self.model.forward(batch, self.kv, x, state=self.state)
         else:
             with self.window.step(batch) as view:
-                out = self.model.forward(batch, view, x)
+                out = self.model.forward(batch, view, x, state=self.state)
         if self.sampler is None:
             return out
         rows = batch.sample_slots
         if not rows:  # a step of prompt pieces only: nothing to sample yet
+            if header.get("masks"):
+                raise ValueError(f"step {sid}: grammar masks for slots {sorted(header['masks'])}, which sample nothing")
             return []
-        sampled = self.sampler.sample(out, rows)
+        sampled = self.sampler.sample(out, rows, header.get("masks"))
         return [[slot, int(tok), float(lp), [[int(i), float(p)] for i, p in (top or [])]]
                 for slot, (tok, lp, top) in zip(rows, sampled)]
 
     def close(self, unlink: bool = True) -> None:
         """Drop the arrays and the mapping; `unlink` also removes the pool file (a clean shutdown)."""
-        self.kv = self.window = None  # type: ignore[assignment]
+        self.kv = self.window = self.state = None  # type: ignore[assignment]
         if self.memory is not None:
             self.memory.close()
             if unlink:

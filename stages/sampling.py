@@ -8,6 +8,10 @@ each was generated.
 Order (one row of logits, float32):
   0. logit_bias: x[id] += bias for each (id, bias) of the request (OpenAI's `logit_bias`, bias in
                  [-100, 100]); a bias of -100 bans the token (x[id] = -inf: it is never sampled, greedy or not);
+     grammar mask (stages/grammar_mask.py, the step's "masks"): x[id] = -inf for every id the slot's grammar
+                 does not allow next, so such a token is never sampled, greedy or not, and every logprob is
+                 over the masked distribution. It is applied as the logits arrive, which gives what applying
+                 it after the bias gives (-inf + bias = -inf), and the short greedy path below keeps it;
   1. penalties:  repetition (transformers' rule, over prompt + generated tokens: a seen token's logit
                  x becomes x * r if x < 0 else x / r), then
                  x -= frequency_penalty * count + presence_penalty * (count > 0)
@@ -19,7 +23,8 @@ Order (one row of logits, float32):
   6. sample from softmax of what is left.
 The reported logprob of a token (sampled or in the top list) is log_softmax of the logits after steps 0-2,
 before any filter: it says how likely the model (with bias, penalties and temperature) found the token, not
-how likely the truncated distribution made it. Greedy rows use temperature 1 for it.
+how likely the truncated distribution made it. Greedy rows use temperature 1 for it. The top list holds only
+tokens that can be sampled: a banned or masked token (logprob -inf) is no alternative.
 
 Reproducibility: a row draws exactly one uniform number from its slot's own CPU generator per sampled
 token and picks the token by inverse CDF, so a seed gives the same tokens whatever else is in the batch
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .grammar_mask import apply_masks
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_BIAS = 100.0  # OpenAI's range of a logit_bias value is [-MAX_BIAS, MAX_BIAS]; -MAX_BIAS bans the token
@@ -253,13 +260,17 @@ class Sampler:
             return one_hot, logprobs
         return torch.where(greedy[:, None], one_hot, self.filter(x, slots).softmax(dim=-1)), logprobs
 
-    def sample(self, logits: torch.Tensor, slots: list[int]) -> list[SampleResult]:
-        """Sample one token per row of `logits` [B, V] for `slots` (row b belongs to slots[b]).
+    def sample(self, logits: torch.Tensor, slots: list[int],
+               masks: Mapping[int, bytes] | None = None) -> list[SampleResult]:
+        """Sample one token per row of `logits` [B, V] for `slots` (row b belongs to slots[b]); `masks` holds
+        the grammar masks of the slots that have one (step 0).
 
         Returns (token, logprob, top) per row, top being the `logprobs` most likely (id, logprob) pairs,
         most likely first (empty when 0), and records each token in its slot's state.
         """
         params = [self._slot(s) for s in slots]
+        if masks:
+            logits = apply_masks(logits, slots, masks)
         if all(p.greedy and not p.penalised and not p.biased for p in params):
             # What `distribution` gives for such rows, without its one-hot: the argmax of the logits and the
             # log_softmax at temperature 1 (x / 1 and the unbiased, unpenalised copy change no value).
@@ -294,7 +305,8 @@ class Sampler:
         top_lp, top_ids = logprobs.topk(n_top, dim=-1) if n_top else (None, None)
         top_ids_l, top_lp_l = (top_ids.tolist(), top_lp.tolist()) if n_top else ([], [])
         return [(tokens_l[b], chosen_l[b],
-                 list(zip(top_ids_l[b][:p.logprobs], top_lp_l[b][:p.logprobs])) if p.logprobs else [])
+                 [(i, lp) for i, lp in zip(top_ids_l[b][:p.logprobs], top_lp_l[b][:p.logprobs]) if lp > -math.inf]
+                 if p.logprobs else [])
                 for b, p in enumerate(params)]
 
     def _check_shape(self, logits: torch.Tensor, slots: list[int]) -> None:

@@ -1,7 +1,7 @@
 """Random-weight checkpoints in exactly the Hugging Face layout, with a real tokenizer: the "tiny" model.
 
-`make_tiny_model` writes what a Hub download of a Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE
-checkpoint holds:
+`make_tiny_model` writes what a Hub download of a Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE /
+Qwen3-Next checkpoint holds:
 `config.json`, `generation_config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json` with a ChatML chat template.
 It needs torch, safetensors and tokenizers only: transformers is a test dependency, and the embedded
@@ -23,6 +23,12 @@ Rules:
   (default 2) per token, every `sparse_step`-th layer sparse (default 1: all), per-expert tensors named as
   on the Hub (`mlp.experts.{e}.gate_proj.weight`, ...); `norm_topk_prob` as the public checkpoints
   (Qwen3-MoE true, Qwen1.5-MoE false); qwen2_moe adds the shared expert (2 * moe_intermediate) and its gate.
+- qwen3_next: the MoE of qwen2_moe (norm_topk_prob true); every 4th layer full attention
+  (`full_attention_interval`, as on the Hub), with an output gate and a rotary quarter of each head (head_dim
+  must divide by 8); the others Gated DeltaNet with kv_heads key heads and heads value heads of head_dim, conv
+  kernel 4. Its RMSNorms scale by (1 + weight), so their weights are N(0, NORM_JITTER^2) (the gated norm of the
+  linear layers keeps 1 + N(0, NORM_JITTER^2)); A_log ~ A_LOG_MEAN + N(0, 1), a decay slow enough that a
+  state remembers some tens of tokens; dt_bias is a bias.
 
 `ensure_tiny("tiny")` builds the embedded default (DEFAULT_SPEC) once into `tiny_cache_dir()` and reuses
 it; the cache key covers the spec and the source of every file that shapes the checkpoint (this one and
@@ -68,7 +74,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                   "moe": True, "shared_expert": True, "norm_topk_prob": False},
     "qwen3_moe": {"cls": "Qwen3MoeForCausalLM", "rope_theta": 1e6, "qkv_bias": False, "qk_norm": True, "tie": False,
                   "moe": True, "shared_expert": False, "norm_topk_prob": True},
+    "qwen3_next": {"cls": "Qwen3NextForCausalLM", "rope_theta": 1e7, "qkv_bias": False, "qk_norm": True, "tie": False,
+                   "moe": True, "shared_expert": True, "norm_topk_prob": True, "linear": True},
 }
+A_LOG_MEAN = -3.0  # qwen3_next: exp(A_log) ~ 0.05, a decay per token of roughly exp(-0.05 * softplus(a + dt_bias))
+FULL_ATTENTION_INTERVAL = 4
 MOE_DEFAULTS = {"experts": 8, "top_k": 2, "moe_intermediate": 32, "sparse_step": 1}
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -97,8 +107,9 @@ def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: i
     if min(layers, hidden, heads, kv_heads) < 1 or hidden % heads or heads % kv_heads:
         raise ValueError(f"bad geometry: hidden={hidden} heads={heads} kv_heads={kv_heads} layers={layers}"
                          " (hidden must divide by heads, heads by kv_heads)")
-    if (hidden // heads) % 2:
-        raise ValueError(f"head_dim {hidden // heads} must be even (rotary embedding)")
+    if (hidden // heads) % (8 if ARCHS.get(arch, {}).get("linear") else 2):
+        raise ValueError(f"head_dim {hidden // heads} must be even (rotary embedding; qwen3_next: a multiple of 8, "
+                         "its rotary quarter even)")
     vocab = TOKENIZER_VOCAB if vocab is None else vocab
     if vocab < TOKENIZER_VOCAB:
         raise ValueError(f"vocab {vocab} is smaller than the tokenizer ({TOKENIZER_VOCAB} tokens)")
@@ -135,6 +146,10 @@ def tiny_config(arch: str = "qwen3", layers: int = 4, hidden: int = 64, heads: i
         cfg.update(sliding_window=None)
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if a.get("linear"):
+        cfg.update(partial_rotary_factor=0.25, full_attention_interval=FULL_ATTENTION_INTERVAL,
+                   linear_num_key_heads=kv_heads, linear_num_value_heads=heads, linear_key_head_dim=hidden // heads,
+                   linear_value_head_dim=hidden // heads, linear_conv_kernel_dim=4)
     if a.get("moe"):
         m = {**MOE_DEFAULTS, **{k: v for k, v in moe_given.items() if v is not None}}
         if not 1 <= m["top_k"] <= m["experts"] or min(m["moe_intermediate"], m["sparse_step"]) < 1:
@@ -167,13 +182,17 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.append((p + "input_layernorm.weight", (h,)))
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out.append((p + f"self_attn.{name}.weight", (rows, h)))
-            if a["qkv_bias"]:
-                out.append((p + f"self_attn.{name}.bias", (rows,)))
-        if a["qk_norm"]:
-            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
-        out.append((p + "self_attn.o_proj.weight", (h, q)))
+        if a.get("linear") and (i + 1) % cfg["full_attention_interval"]:  # a Gated DeltaNet layer
+            out += _linear_shapes(cfg, p + "linear_attn.")
+        else:
+            q_rows = 2 * q if a.get("linear") else q  # qwen3_next: q and the output gate, interleaved per head
+            for name, rows in (("q_proj", q_rows), ("k_proj", kv), ("v_proj", kv)):
+                out.append((p + f"self_attn.{name}.weight", (rows, h)))
+                if a["qkv_bias"]:
+                    out.append((p + f"self_attn.{name}.bias", (rows,)))
+            if a["qk_norm"]:
+                out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+            out.append((p + "self_attn.o_proj.weight", (h, q)))
         out.append((p + "post_attention_layernorm.weight", (h,)))
         if _sparse(cfg, i):
             out.append((p + "mlp.gate.weight", (cfg["num_experts"], h)))
@@ -197,16 +216,32 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _linear_shapes(cfg: dict[str, Any], p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A Gated DeltaNet mixer's tensors (qwen3_next), named and shaped as transformers writes them."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, h = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["hidden_size"]
+    conv = 2 * nk * dk + nv * dv
+    return [(p + "in_proj_qkvz.weight", (conv + nv * dv, h)), (p + "in_proj_ba.weight", (2 * nv, h)),
+            (p + "conv1d.weight", (conv, 1, cfg["linear_conv_kernel_dim"])), (p + "dt_bias", (nv,)),
+            (p + "A_log", (nv,)), (p + "norm.weight", (dv,)), (p + "out_proj.weight", (h, nv * dv))]
+
+
 def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:  # noqa: F821
     """Seeded random weights in `tensor_shapes` order, cast to the config's dtype."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg["torch_dtype"])
+    offset_norms = bool(ARCHS[cfg["model_type"]].get("linear"))  # (1 + weight) RMSNorms
     weights = {}
     for name, shape in tensor_shapes(cfg):
         t = torch.randn(shape, generator=g, dtype=torch.float32)
-        t = 1.0 + NORM_JITTER * t if name.endswith("norm.weight") else WEIGHT_STD * t
+        if name.endswith("A_log"):
+            t = A_LOG_MEAN + t
+        elif name.endswith("norm.weight"):
+            t = NORM_JITTER * t + (0.0 if offset_norms and "linear_attn" not in name else 1.0)
+        else:
+            t = WEIGHT_STD * t
         weights[name] = t.to(dtype).contiguous()
     return weights
 

@@ -19,17 +19,50 @@ TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
 
-# ChatML, as Qwen writes it: a system message is just the first message with role "system".
+# ChatML with tools and a thinking section, as Qwen3 writes it: a first system message (or the tools block)
+# opens the prompt; an assistant's tool calls are <tool_call> blocks of {"name", "arguments"} JSON; tool results
+# are <tool_response> blocks inside one user turn; `enable_thinking` true opens a <think> section after the
+# generation prompt, false writes an empty one, and left out it writes neither (the tiny model thinks only when asked); an earlier assistant turn's
+# reasoning is dropped, as Qwen3 drops it before the last user turn.
 CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "{{- '<|im_start|>system\\n' }}\n"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}\n"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}\n"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}\n"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- for message in messages %}\n"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
     "{{- raise_exception('Unknown role: ' + message['role']) }}\n"
     "{%- endif %}\n"
+    "{%- if message.role == 'system' and loop.first and tools %}\n"
+    "{%- elif message.role == 'assistant' %}\n"
+    "{{- '<|im_start|>assistant\\n' + (message.content | default('', true)) }}\n"
+    "{%- for call in message.tool_calls | default([]) %}\n"
+    "{%- set fn = call.function if call.function is defined else call %}\n"
+    "{%- if loop.first and message.content or not loop.first %}{{- '\\n' }}{%- endif %}\n"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}\n"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}\n"
+    "{{- '}\\n</tool_call>' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- elif message.role == 'tool' %}\n"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}\n"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}\n"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- else %}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] | default('', true)) + "
     "'<|im_end|>' + '\\n' }}\n"
+    "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}\n"
+    "{%- elif enable_thinking is defined %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
     "{%- endif %}\n"
 )
 

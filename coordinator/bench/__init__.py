@@ -7,6 +7,7 @@
     strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn)
     strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
     strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
+    strata bench prefix   conversations on one long shared prefix, prefix sharing on vs off: how many fit, TTFT
 
 Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
 The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, window, and the
@@ -144,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--disconnect-share", type=float, default=0.25, help="of streams, dropped mid-stream")
     soak.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
 
+    prefix = sub.add_parser("prefix", help="conversations sharing one long prefix: engine.share_prefixes on vs off")
+    common(prefix)
+    prefix.add_argument("--prefix-tokens", type=int, default=8192)
+    prefix.add_argument("--suffix-tokens", type=int, default=64, help="each conversation's own prompt tokens")
+    prefix.add_argument("--output-tokens", type=int, default=8)
+    prefix.add_argument("--conversations", type=int, default=16)
+    prefix.add_argument("--fit", type=int, default=4, help="conversations the pool holds without sharing")
+    prefix.add_argument("--chunk-cells", type=int, default=256)
+    prefix.add_argument("--model", default="tiny")
+    prefix.add_argument("--layers", type=int, default=4, help="the model's decoder layers, split over two stages")
+    prefix.add_argument("--threads", type=int, default=0, help="torch threads per stage (0: the cores split)")
+    prefix.add_argument("--seed", type=int, default=0)
+    prefix.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+
     peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers (and llama.cpp), same weights")
     common(peers)
     peers.add_argument("--arch", default="qwen3")
@@ -200,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                 url=args.url, clients=args.clients, seconds=args.seconds, api_key=args.api_key, model=args.model,
                 seed=args.seed, timeout_s=args.timeout, stream_share=args.stream_share,
                 disconnect_share=args.disconnect_share, max_tokens=args.max_tokens))
+        elif args.bench == "prefix":
+            from .prefix import run_prefix
+
+            result = run_prefix(args)
         else:
             from .peers import run_peers
 

@@ -4,6 +4,7 @@
 end-of-turn token (which, like the real engine, ends the request with reason "stop" and is not yielded). A
 request without stop ids (`ignore_eos`) gets the end-of-turn token too, and then ends with reason "length".
 Knobs, set by a test and put back by `reset()`:
+  script        the token ids every request gets (`say(text)` sets it from a text)
   refuse        an EngineError raised before the first event (a refusal)
   fail_after    raise `fail_with` after this many tokens (an error mid-stream)
   hang_after    after this many tokens, wait forever (until the request is cancelled)
@@ -51,7 +52,6 @@ class FakeEngine:
         self.max_context = max_context
         self.model_name = model_name
         self.erased: list = []
-        self.script = tokenizer.encode(SCRIPT_TEXT)
         self.eos = min(tokenizer.eos_ids)
         self.requests: list[GenRequest] = []
         self.closed: list[str] = []
@@ -59,6 +59,7 @@ class FakeEngine:
         self.reset()
 
     def reset(self) -> None:
+        self.script = self.tokenizer.encode(SCRIPT_TEXT)
         self.refuse: EngineError | None = None
         self.fail_after: int | None = None
         self.fail_with: EngineError = EngineError.kv_pool_full(100, 0, retry_after=5)
@@ -73,6 +74,10 @@ class FakeEngine:
         self.requests.clear()
         with self._cond:
             self.closed.clear()
+
+    def say(self, text: str) -> None:
+        """Answer with `text` (its tokens), then the end-of-turn token."""
+        self.script = self.tokenizer.encode(text)
 
     def wait_closed(self, request_id: str, timeout: float) -> bool:
         with self._cond:

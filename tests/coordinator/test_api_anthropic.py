@@ -46,7 +46,7 @@ def test_message_not_streamed(env, client):
     # This client version no longer has sampling keywords; the server still reads them from the body.
     msg = client.messages.create(model="claude-anything", max_tokens=100, system=SYSTEM, messages=MSGS,
                                  extra_body={"temperature": 0.3, "top_p": 0.8, "top_k": 20})
-    prompt = env.tokenizer.chat_ids(TEMPLATE_MSGS)
+    prompt = env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == SCRIPT_TEXT
     assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
@@ -67,7 +67,7 @@ def test_content_blocks_and_system_blocks(env, client):
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}],
     )
     joined = [{"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Say\nhello."}]
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(joined)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(joined, enable_thinking=False)
 
 
 def test_message_streamed_events_in_order(env, client):
@@ -86,7 +86,7 @@ def test_message_streamed_events_in_order(env, client):
                      "content_block_stop", "message_delta", "message_stop"]
     datas = [json.loads(d) for _, d in events]
     assert all(d["type"] == k for d, k in zip(datas, kinds))
-    assert datas[0]["message"]["usage"]["input_tokens"] == len(env.tokenizer.chat_ids(MSGS))
+    assert datas[0]["message"]["usage"]["input_tokens"] == len(env.tokenizer.chat_ids(MSGS, enable_thinking=False))
     assert "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta") == SCRIPT_TEXT
     assert datas[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert datas[-2]["usage"]["output_tokens"] == len(env.engine.script)
@@ -119,7 +119,7 @@ def test_stop_sequences(env, client, stream):
 
 def test_count_tokens(env, client):
     got = client.messages.count_tokens(model="m", system=SYSTEM, messages=MSGS)
-    assert got.input_tokens == len(env.tokenizer.chat_ids(TEMPLATE_MSGS))
+    assert got.input_tokens == len(env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False))
     assert env.engine.requests == []
 
 
@@ -214,15 +214,17 @@ TOOL_TURNS = [
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 @pytest.mark.parametrize("patch, words", [
-    ({"tools": [TOOL]}, "tools: tool calling is not supported yet"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice: tool use is not supported yet"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking: extended thinking is not supported yet"),
-    ({"thinking": {"type": "adaptive"}}, "thinking:"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice: type 'any' needs `tools`"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens: Input should be greater than"),
+    ({"thinking": {"type": "adaptive"}}, "thinking.type:"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config:"),
     ({"speed": "fast"}, "speed:"),
-    ({"messages": TOOL_TURNS[:2]}, "messages.1.content: content block part 0 has type 'tool_use': tool use is not"),
-    ({"messages": TOOL_TURNS}, "tool use is not supported yet"),
-    ({"messages": [TOOL_TURNS[2]]}, "type 'tool_result': tool use is not supported yet"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content: content[0] has type 'image': images are not supported"),
+    ({"messages": [TOOL_TURNS[0], {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+     "messages.1.content: content[0] has type 'redacted_thinking'"),
+    ({"messages": [{"role": "user", "content": [TOOL_TURNS[1]["content"][0]]}]},
+     "type 'tool_use', which a user message cannot hold"),
 ])
 def test_what_is_not_supported_yet_is_a_400_in_anthropic_shape(env, path, patch, words):
     r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS, **patch}, path=path)
@@ -240,32 +242,22 @@ def test_what_only_messages_take_is_refused_there(env, patch):
     assert r.status_code == 400 and next(iter(patch)) + ":" in r.json()["error"]["message"]
 
 
-def test_the_official_client_raises_for_tools(env, client):
-    with pytest.raises(anthropic.BadRequestError) as exc:
-        client.messages.create(model="m", max_tokens=10, messages=MSGS, tools=[TOOL])
-    assert "tools: tool calling is not supported yet" in exc.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="m", max_tokens=10, messages=MSGS, thinking={"type": "enabled",
-                                                                                  "budget_tokens": 1024})
-    assert env.engine.requests == []
-
-
 def test_values_that_ask_for_nothing_are_served(env, client):
     msg = client.messages.create(model="m", max_tokens=100, system=SYSTEM, messages=MSGS, tools=[],
                                  tool_choice={"type": "none"}, thinking={"type": "disabled"},
                                  metadata={"user_id": "u-1"}, service_tier="auto",
                                  extra_body={"cache_control": {"type": "ephemeral"}})
     assert msg.content[0].text == SCRIPT_TEXT
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
     marked = [{"type": "text", "text": "Say hello.", "cache_control": {"type": "ephemeral"}}]
     client.messages.create(model="m", max_tokens=10, system=SYSTEM, messages=[{"role": "user", "content": marked}])
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
 
 
 # ---- usage: the stream's start agrees with its end and with the whole answer ---------------------------
 def test_stream_usage_at_the_start_agrees_with_the_end(env, client):
     env.engine.cached_tokens = 4
-    prompt = len(env.tokenizer.chat_ids(TEMPLATE_MSGS))
+    prompt = len(env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False))
     whole = client.messages.create(model="m", max_tokens=100, system=SYSTEM, messages=MSGS).usage
     raw = post(env, {"model": "m", "max_tokens": 100, "system": SYSTEM, "messages": MSGS, "stream": True})
     datas = [json.loads(d) for _, d in parse_sse(raw.text)]
@@ -283,7 +275,7 @@ def test_stream_start_without_the_engines_cache_split_reports_the_whole_prompt(e
     env.engine.cached_tokens, env.engine.cached_at_start = 4, False
     raw = post(env, {"model": "m", "max_tokens": 100, "messages": MSGS, "stream": True})
     datas = [json.loads(d) for _, d in parse_sse(raw.text)]
-    prompt = len(env.tokenizer.chat_ids(MSGS))
+    prompt = len(env.tokenizer.chat_ids(MSGS, enable_thinking=False))
     assert datas[0]["message"]["usage"]["input_tokens"] == prompt
     assert datas[0]["message"]["usage"]["cache_read_input_tokens"] == 0
     assert datas[-2]["usage"]["input_tokens"] + datas[-2]["usage"]["cache_read_input_tokens"] == prompt
@@ -316,6 +308,6 @@ def test_a_final_assistant_message_is_continued(env, client):
     assert client.messages.count_tokens(model="m", messages=msgs).input_tokens == len(want)
     # An empty one asks for nothing: the assistant turn simply starts.
     client.messages.create(model="m", max_tokens=10, messages=MSGS + [{"role": "assistant", "content": ""}])
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS, enable_thinking=False)
     r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS + [{"role": "assistant", "content": "So "}]})
     assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]

@@ -76,6 +76,7 @@ class CellLink:
         self.steps += 1
         out, i = [], 0
         for slot, start, n, sample in header["slots"]:
+            self.mirror.check_write(slot, start, n, self.C)  # what a stage checks: no write into a shared chunk
             ent = self.mirror.entries(slot)
             for k in range(n):
                 p = start + k
@@ -119,9 +120,12 @@ async def started(cfg, **kw) -> tuple[Scheduler, CellLink]:
 
 
 def assert_pool_accounted(sched: Scheduler) -> None:
-    held = sum(sched.map.held_chunks(t) for t in sched.held) * sched.cfg.engine.chunk_cells
+    """Idle: the held conversations' distinct chunks and the free ones make the pool (a shared chunk once)."""
+    m, c = sched.map, sched.cfg.engine.chunk_cells
+    distinct = {ch for t in sched.held for ch in m.entries(t)[: m.held_chunks(t)]}
     assert all(j is None for j in sched.jobs)
-    assert sched.map.free_cells + held == sched.map.total_cells
+    assert m.free_cells + len(distinct) * c == m.total_cells
+    assert sum(m.held_chunks(t) for t in sched.held) * c == len(distinct) * c + m.saved_cells
     sched.flush_cache()
     assert sched.map.free_cells == sched.map.total_cells
 
@@ -188,18 +192,24 @@ async def test_parked_conversation_comes_back_by_move(pool):
     await sched.stop()
 
 
-async def test_reuse_is_bound_to_its_conversation():
-    """Two conversations sharing a first prefix: each next turn reuses only what its own table holds."""
-    cfg = make_cfg(True, parallel=1)
+@pytest.mark.parametrize("share", [False, True], ids=["move", "share"])
+async def test_reuse_is_bound_to_its_conversation(share):
+    """Two conversations sharing a first prefix: each next turn reuses only what its own table holds. A prompt
+    made of their common part takes one of them over when sharing is off (cut to the 20 common tokens); with
+    sharing it maps the common part's one full chunk (16 cells) and every conversation stays whole."""
+    cfg = make_cfg(True, parallel=1, share_prefixes=share)
     sched, _ = await started(cfg)
     common = list(range(300, 320))
     a, b = common + [1, 2, 3, 4], common + [9, 9, 9, 9, 9, 9]
     out_a, _ = await run(sched, req(a))
     out_b, _ = await run(sched, req(b))
-    for prompt in (a + out_a + [11], b + out_b + [12], common + [42]):
+    turns = (a + out_a + [11], b + out_b + [12], common + [42])
+    for prompt in turns:
         got, fin = await run(sched, req(prompt))
         assert got == (await solo(cfg, prompt))[0]
-    assert fin.cached_tokens == len(common)
+    assert fin.cached_tokens == (16 if share else len(common))
+    if share:  # 12 tokens sampled, the last one never read: each holds its prompt + 11
+        assert sorted(len(c.tokens) for c in sched.held.values()) == sorted(len(p) + 11 for p in turns)
     assert_pool_accounted(sched)
     await sched.stop()
 

@@ -350,7 +350,8 @@ def test_a_moved_conversation_is_reused_only_by_its_own_next_turn(narrow):
     assert counters(narrow)["moves"] - before["moves"] == 3  # a park and two admissions by move
     branch = shared + [99, 98, 97]  # a new conversation: only the shared part can be reused, from one table
     warm["branch"] = ask(branch)
-    assert warm["branch"][3] == len(shared)
+    # with the pool, its full chunks are shared and A and B stay whole; without it, a move takes one over
+    assert warm["branch"][3] == (len(shared) // 16 * 16 if narrow.cfg.engine.pool_on else len(shared))
     for name, prompt in list(turns.items()) + [("branch", branch)]:
         narrow.erase_all()
         cold = ask(prompt)
@@ -370,8 +371,11 @@ def test_chat_conversations_taking_turns_keep_their_own_cache(narrow):
     held, firsts = {}, {}
     for name, messages in users.items():
         r = oa.chat.completions.create(model=narrow.model, messages=messages, max_tokens=12, temperature=0)
-        assert r.usage.prompt_tokens_details.cached_tokens == 0, name
         prompt = oracle_chat_ids(model_dir, messages)
+        # with the pool, the template's first full chunks are shared from an earlier user; nobody is taken over
+        common = max((next(i for i, (a, b) in enumerate(zip(prompt, h)) if a != b) for h in held.values()), default=0)
+        shared = common // 16 * 16 if narrow.cfg.engine.pool_on else 0
+        assert r.usage.prompt_tokens_details.cached_tokens == shared, name
         tokens, ended = oracle_greedy(model_dir, prompt, 12)
         held[name] = prompt + (tokens if ended else tokens[:-1])
         firsts[name] = len(prompt)

@@ -95,7 +95,8 @@ def test_scale_arrays_only_for_int8() -> None:
         ((1, 2, 4, 1, 2, "int8"), "k array of a layer is 24"),
         ((1, 2, 4, 1, 16, "int8"), "k_scale array of a layer is 48"),
         ((1, 2, 16, 1, 8, "float64"), "kv_dtype 'float64'"),
-        ((0, 2, 16, 1, 8, "float32"), "n_layers must be"),
+        ((-1, 2, 16, 1, 8, "float32"), "n_layers must be"),
+        ((1, 0, 16, 1, 8, "float32"), "n_chunks must be"),
     ],
 )
 def test_bad_layouts_refused(args: tuple, message: str) -> None:

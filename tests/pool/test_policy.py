@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pool.policy import Candidate, eviction_plan
+from pool.policy import Candidate, eviction_plan, shared_eviction_plan
 
 
 def cand(id: int, rank: int = 1, last_used: float = 0, cells: int = 16) -> Candidate:
@@ -79,3 +79,30 @@ def test_candidate_is_frozen():
     c = cand(1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.cells = 0  # type: ignore[misc]
+
+
+# ---- shared chunks: rules 6-7 ---------------------------------------------------------------------------------
+def freed_by(holders: dict[int, set[int]], chunk_cells: int = 16):
+    """What evicting `ids` frees when chunk c is held by the tables holders[c] (-1: a table that is not a
+    candidate, e.g. the requester)."""
+    return lambda ids: sum(chunk_cells for h in holders.values() if h <= set(ids))
+
+
+def test_chunks_only_candidates_share_are_freed_by_the_last_of_them():
+    # chunk 0: shared by 1 and 2; chunk 1: 2 alone; chunk 2: shared by 3 and the requester (-1)
+    holders = {0: {1, 2}, 1: {2}, 2: {3, -1}}
+    cands = [cand(1, last_used=0, cells=0), cand(2, last_used=1, cells=16), cand(3, last_used=2, cells=0)]
+    assert eviction_plan(0, 0, 32, cands) is None  # their own cells cover 16 of the 32 missing
+    assert shared_eviction_plan(0, 0, 32, cands, freed_by(holders)) == [1, 2]
+    assert shared_eviction_plan(0, 0, 16, cands, freed_by(holders)) == [1, 2]  # 1 first, though only 2 frees alone
+    assert shared_eviction_plan(0, 0, 48, cands, freed_by(holders)) is None  # chunk 2 stays with the requester
+    assert shared_eviction_plan(32, 0, 32, cands, freed_by(holders)) == []
+
+
+def test_a_candidate_that_can_free_nothing_is_skipped():
+    holders = {0: {2, 3}, 1: {1, -1}, 2: {3}}
+    cands = [cand(1, last_used=0, cells=0), cand(2, last_used=1, cells=0), cand(3, last_used=2, cells=16)]
+    assert shared_eviction_plan(0, 0, 32, cands, freed_by(holders)) == [2, 3]  # 1 holds only the requester's
+    assert shared_eviction_plan(0, 0, 16, cands, freed_by(holders)) == [2, 3]  # in order: 2 comes before 3
+    assert shared_eviction_plan(0, 16, 48, cands, freed_by(holders)) == [2, 3]
+    assert shared_eviction_plan(0, 0, 64, cands, freed_by(holders)) is None

@@ -20,7 +20,7 @@ from stages.tiny import make_tiny_model, tiny_config
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # name -> (changes to a valid Qwen3 config.json, what the message must name)
 REFUSED = {
-    "qwen3-next": ({"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM"),
+    "gpt-oss": ({"architectures": ["GptOssForCausalLM"]}, "GptOssForCausalLM"),
     "deepseek-v3": ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
     "no-architectures": ({"architectures": []}, "None"),
     "gelu": ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
@@ -39,6 +39,7 @@ ACCEPTED = {
     "qwen3": {},
     "qwen3_moe": tiny_config("qwen3_moe", layers=2),
     "qwen2_moe": tiny_config("qwen2_moe", layers=2),
+    "qwen3_next": tiny_config("qwen3_next", layers=2),
     "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
     "legacy-linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
     "rope-parameters": {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
@@ -81,7 +82,7 @@ def test_config_check_refuses_naming_it(tmp_path, case):
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path):
-    d = _write(tmp_path / "m", _config({"architectures": ["Qwen3NextForCausalLM"]}))
+    d = _write(tmp_path / "m", _config({"architectures": ["GptOssForCausalLM"]}))
     with pytest.raises(ConfigError) as e:
         _check(d)
     assert all(a in str(e.value) for a in checkpoint.SUPPORTED_ARCHS)

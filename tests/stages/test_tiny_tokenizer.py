@@ -23,3 +23,5 @@ def test_tokenizer_loads_in_transformers_and_round_trips(tiny_model_factory):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True).endswith(
+        "<|im_start|>assistant\n<think>\n")
