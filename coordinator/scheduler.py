@@ -11,6 +11,10 @@ Each loop turn:
 With S stages, a step carries at most ceil(active / S) slots, so up to S groups are in flight and every
 stage works at the same time.
 
+Prefix sharing (pool on, `engine.share_prefixes`; coordinator/prefix_sharing.py): a new request maps the full
+chunks another conversation (held or running) has written for the same first tokens and prefills the rest; a
+conversation continuing itself still moves in by a table swap.
+
 Pool full, in this order: idle held conversations give way (`pool.policy.eviction_plan`), then a new request
 is refused with `kv_pool_full`; a decoding slot that cannot grow ends with `length` and `truncated`.
 

@@ -21,8 +21,10 @@ from tests.integration.conftest import GREEDY, oracle_chat_ids, oracle_decode, o
 PREFIX = [(7 + 13 * k) % 400 + 5 for k in range(32)]  # two full chunks of 16
 
 
-def test_a_stage_refuses_a_write_into_a_shared_chunk_and_reads_it_like_its_writer(box):
-    b = box(2)
+@pytest.mark.parametrize("window", [{}, {"device_cells": 32}], ids=["pool", "window"])
+def test_a_stage_refuses_a_write_into_a_shared_chunk_and_reads_it_like_its_writer(box, window):
+    """`window`: the stages read the pool through a device window of 2 frames (stages/window.py)."""
+    b = box(2, **window)
     b.start_all()
 
     async def scenario() -> None:
