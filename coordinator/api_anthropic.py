@@ -6,7 +6,7 @@ stop_reason: `end_turn` (the model ended its turn), `max_tokens` (the limit, or 
 pool), `stop_sequence` (with `stop_sequence` naming it).
 stop_reason `tool_use` when the answer holds tool calls.
 Content: a `thinking` block (a model that reasons; it thinks only when `thinking` is enabled, within
-`budget_tokens`), the `text` block, then one `tool_use` block per call (answers.py shapes the text).
+`budget_tokens`; `thinking` disabled turns it off; left out, the template's default), the `text` block, then one `tool_use` block per call (answers.py shapes the text).
 Stream events, in order: message_start, then per block content_block_start (a ping after the first), content_block_delta
 (thinking_delta and a closing signature_delta / text_delta / input_json_delta)..., content_block_stop (an empty
 answer is one empty text block); then message_delta (stop_reason, usage), message_stop; an error after the start is one
@@ -152,8 +152,9 @@ def content_blocks(shaped: Shaped) -> list[dict]:
 
 
 def template_vars(req: MessagesRequest | CountTokensRequest, front: Front) -> dict | None:
-    """A model that reasons thinks only when `thinking` is enabled (Anthropic's meaning of its absence)."""
-    if not template_thinks(front.tokenizer.chat_template):
+    """`thinking` given: a model that reasons thinks when it is enabled, not when it is disabled; left out, the
+    template's own default holds (as the OpenAI routes render it)."""
+    if req.thinking is None or not template_thinks(front.tokenizer.chat_template):
         return None
     return {"enable_thinking": req.thinking_budget is not None}
 

@@ -46,7 +46,7 @@ def test_message_not_streamed(env, client):
     # This client version no longer has sampling keywords; the server still reads them from the body.
     msg = client.messages.create(model="claude-anything", max_tokens=100, system=SYSTEM, messages=MSGS,
                                  extra_body={"temperature": 0.3, "top_p": 0.8, "top_k": 20})
-    prompt = env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
+    prompt = env.tokenizer.chat_ids(TEMPLATE_MSGS)
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == SCRIPT_TEXT
     assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
@@ -67,7 +67,7 @@ def test_content_blocks_and_system_blocks(env, client):
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}],
     )
     joined = [{"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Say\nhello."}]
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(joined, enable_thinking=False)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(joined)
 
 
 def test_message_streamed_events_in_order(env, client):
@@ -86,7 +86,7 @@ def test_message_streamed_events_in_order(env, client):
                      "content_block_stop", "message_delta", "message_stop"]
     datas = [json.loads(d) for _, d in events]
     assert all(d["type"] == k for d, k in zip(datas, kinds))
-    assert datas[0]["message"]["usage"]["input_tokens"] == len(env.tokenizer.chat_ids(MSGS, enable_thinking=False))
+    assert datas[0]["message"]["usage"]["input_tokens"] == len(env.tokenizer.chat_ids(MSGS))
     assert "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta") == SCRIPT_TEXT
     assert datas[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert datas[-2]["usage"]["output_tokens"] == len(env.engine.script)
@@ -119,7 +119,7 @@ def test_stop_sequences(env, client, stream):
 
 def test_count_tokens(env, client):
     got = client.messages.count_tokens(model="m", system=SYSTEM, messages=MSGS)
-    assert got.input_tokens == len(env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False))
+    assert got.input_tokens == len(env.tokenizer.chat_ids(TEMPLATE_MSGS))
     assert env.engine.requests == []
 
 
@@ -251,13 +251,13 @@ def test_values_that_ask_for_nothing_are_served(env, client):
     assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
     marked = [{"type": "text", "text": "Say hello.", "cache_control": {"type": "ephemeral"}}]
     client.messages.create(model="m", max_tokens=10, system=SYSTEM, messages=[{"role": "user", "content": marked}])
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(TEMPLATE_MSGS)
 
 
 # ---- usage: the stream's start agrees with its end and with the whole answer ---------------------------
 def test_stream_usage_at_the_start_agrees_with_the_end(env, client):
     env.engine.cached_tokens = 4
-    prompt = len(env.tokenizer.chat_ids(TEMPLATE_MSGS, enable_thinking=False))
+    prompt = len(env.tokenizer.chat_ids(TEMPLATE_MSGS))
     whole = client.messages.create(model="m", max_tokens=100, system=SYSTEM, messages=MSGS).usage
     raw = post(env, {"model": "m", "max_tokens": 100, "system": SYSTEM, "messages": MSGS, "stream": True})
     datas = [json.loads(d) for _, d in parse_sse(raw.text)]
@@ -275,7 +275,7 @@ def test_stream_start_without_the_engines_cache_split_reports_the_whole_prompt(e
     env.engine.cached_tokens, env.engine.cached_at_start = 4, False
     raw = post(env, {"model": "m", "max_tokens": 100, "messages": MSGS, "stream": True})
     datas = [json.loads(d) for _, d in parse_sse(raw.text)]
-    prompt = len(env.tokenizer.chat_ids(MSGS, enable_thinking=False))
+    prompt = len(env.tokenizer.chat_ids(MSGS))
     assert datas[0]["message"]["usage"]["input_tokens"] == prompt
     assert datas[0]["message"]["usage"]["cache_read_input_tokens"] == 0
     assert datas[-2]["usage"]["input_tokens"] + datas[-2]["usage"]["cache_read_input_tokens"] == prompt
@@ -308,6 +308,6 @@ def test_a_final_assistant_message_is_continued(env, client):
     assert client.messages.count_tokens(model="m", messages=msgs).input_tokens == len(want)
     # An empty one asks for nothing: the assistant turn simply starts.
     client.messages.create(model="m", max_tokens=10, messages=MSGS + [{"role": "assistant", "content": ""}])
-    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS, enable_thinking=False)
+    assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS)
     r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS + [{"role": "assistant", "content": "So "}]})
     assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]

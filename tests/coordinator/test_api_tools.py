@@ -195,7 +195,7 @@ def test_anthropic_tool_use(env, ant):
     rendered = [{"type": "function", "function": {"name": t["name"], **({"description": t["description"]}
                                                                         if "description" in t else {}),
                                                   "parameters": t["input_schema"]}} for t in A_TOOLS]
-    assert prompt_text(env) == env.tokenizer.apply_chat_template(MSGS, tools=rendered, enable_thinking=False)
+    assert prompt_text(env) == env.tokenizer.apply_chat_template(MSGS, tools=rendered)
 
 
 def test_anthropic_streamed_tool_use_matches(env, ant):
@@ -251,7 +251,7 @@ def test_anthropic_thinking(env, ant):
 
 def test_anthropic_without_thinking_does_not_think(env, ant):
     env.engine.say("Sunny.")
-    msg = ant.messages.create(model="any", max_tokens=50, messages=MSGS[1:])
+    msg = ant.messages.create(model="any", max_tokens=50, messages=MSGS[1:], thinking={"type": "disabled"})
     assert prompt_text(env).endswith("<think>\n\n</think>\n\n")
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Sunny."
     assert env.engine.requests[-1].grammar is None
