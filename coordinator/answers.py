@@ -42,15 +42,7 @@ class CallStart:
     name: str
 
 
-@dataclass(frozen=True)
-class CallArgs:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class CallEnd:
-    index: int
+CallArgs, CallEnd = tp.CallArgs, tp.CallEnd  # the parser's own events pass through unchanged
 
 
 Event = Reasoning | Text | CallStart | CallArgs | CallEnd
@@ -152,7 +144,7 @@ class AnswerShaper:
                 out.append(CallStart(e.index, new_call_id(self.plan.id_prefix), e.name))
             elif isinstance(e, tp.CallArgs):
                 if e.text:
-                    out.append(CallArgs(e.index, e.text))
+                    out.append(e)
             elif isinstance(e, tp.CallEnd):
-                out.append(CallEnd(e.index))
+                out.append(e)
         return out

@@ -296,9 +296,7 @@ class ChatRequest(_OpenAISampling):
     @field_validator("tools")
     @classmethod
     def _distinct_tools(cls, v: list | None) -> list | None:
-        if v:
-            tf.distinct_names([t.spec() for t in v])
-        return v
+        return tf.distinct_tools(v)
 
     @field_validator("tool_choice")
     @classmethod
@@ -417,9 +415,7 @@ class _AnthropicPrompt(_Body):
     @field_validator("tools")
     @classmethod
     def _distinct_tools(cls, v: list | None) -> list | None:
-        if v:
-            tf.distinct_names([t.spec() for t in v])
-        return v
+        return tf.distinct_tools(v)
 
     @field_validator("tool_choice")
     @classmethod

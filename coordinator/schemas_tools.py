@@ -71,6 +71,13 @@ def _check_schema(v: dict) -> dict:
     return v
 
 
+def distinct_tools(tools: list | None) -> list | None:
+    """A request's `tools` (OpenAITool or AnthropicTool bodies) if their names are distinct."""
+    if tools:
+        distinct_names([t.spec() for t in tools])
+    return tools
+
+
 def distinct_names(tools: list[ToolSpec]) -> list[ToolSpec]:
     seen: set[str] = set()
     for t in tools:
