@@ -42,11 +42,12 @@ class ConversationCache:
     def parked(self) -> list[int]:
         return [t for t in self.held if t >= self.n_slots]
 
-    def hold(self, table: int, tokens: list[int]) -> None:
-        """`table` keeps the conversation whose K/V fill its cells [0, len(tokens)); the tail is given back
-        (and a shared chunk `tokens` ends inside, which the map never keeps in part)."""
+    def hold(self, table: int, tokens: list[int], answer_at: int | None = None) -> None:
+        """`table` keeps the conversation whose K/V fill its cells [0, len(tokens)), its last answer from
+        `answer_at` on; the tail is given back (and a shared chunk `tokens` ends inside, which the map never
+        keeps in part)."""
         self.map.shrink(table, len(tokens))
-        self.held[table] = Conversation(table, tokens[: self.map.held_cells(table)])
+        self.held[table] = Conversation(table, tokens[: self.map.held_cells(table)], answer_at=answer_at)
 
     def release(self, table: int) -> None:
         """Drop what `table` holds (a parked table is dropped with it)."""

@@ -24,6 +24,11 @@ class Conversation:
     table: int
     tokens: list[int] = field(default_factory=list)
     last_used: int = field(default_factory=tick)
+    answer_at: int | None = None  # where its last sampled answer begins (None: no answer, a prompt only)
+
+    @property
+    def answer_start(self) -> int:
+        return len(self.tokens) if self.answer_at is None else min(self.answer_at, len(self.tokens))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -94,6 +94,7 @@ class StageLink:
         self.on_stage_down: Callable[[int, str], Any] | None = None
         self.op_generations: Callable[[list], list] | None = None
         self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # a context dropped without close() must never block in term()
         self._peers = [_Peer(i, s.endpoint) for i, s in enumerate(cfg.stages)]
         self._inflight: dict[int, asyncio.Future] = {}
         self.clock = StepClock(cfg.coordinator.step_timeout_ms / 1000)
@@ -422,11 +423,19 @@ class StageLink:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         bye = encode(BYE, {"session": self.session})
-        self._fail_pending(StageDown(0, "the link is closed"))
-        for p in self._peers:
-            said_bye = p.sock is not None and p.state != "down"
-            if said_bye:
-                self._send(p, bye)
-            p.state, p.reason = "down", "the link is closed"
-            self._close_socket(p, linger=200 if said_bye else 0)
-        self._ctx.term()
+        try:
+            asyncio.get_running_loop()
+            can_send = True
+        except RuntimeError:
+            can_send = False  # closed after its loop ended: no BYE (the stages time the session out)
+        try:
+            if can_send:
+                self._fail_pending(StageDown(0, "the link is closed"))
+            for p in self._peers:
+                said_bye = can_send and p.sock is not None and p.state != "down"
+                if said_bye:
+                    self._send(p, bye)
+                p.state, p.reason = "down", "the link is closed"
+                self._close_socket(p, linger=200 if said_bye else 0)
+        finally:
+            self._ctx.term()

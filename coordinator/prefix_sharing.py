@@ -16,9 +16,11 @@ Rules, in this order:
     chunks become shareable.
  2. The run is the longest chain of published chunks holding the prompt's first tokens, at most
     (len(prompt) - 1) // C chunks: the last prompt token is always read, its logits give the first token.
- 3. A continuation moves (`choose` -> "move"): a held conversation the prompt continues whole (the match
-    reuses all its tokens). Nothing is lost, nothing is mapped twice, and its partial tail chunk is kept,
-    which a shared run could never give. Only a longer shared run beats it (another table holds more).
+ 3. A continuation moves (`choose` -> "move"): a held conversation the prompt continues whole, or a next turn
+    of it, a prompt longer than the conversation that keeps its whole last prompt and parts from it inside
+    its last answer (a client sends the answer back as text, which need not tokenize as it was sampled: the
+    sampled tail is dead). Nothing is mapped twice and the partial chunk at the match's end is kept, which a
+    shared run could never give. Only a longer shared run beats it (another table holds more).
  4. Otherwise a non-empty shared run is mapped ("share"): a second conversation on the same system prompt,
     and a branch inside a held conversation (a prompt that diverges inside it, an answer asked again), keep
     the other conversation whole, at the cost of reading again less than one chunk of the branch's prefix.
@@ -68,11 +70,14 @@ def kept_by_move(sched: Scheduler, match: Match) -> int:
     return reuse - reuse % c if sched.map.refs(chunk) > 1 else reuse
 
 
-def choose(match: Match | None, kept: int, shared_cells: int) -> Choice:
-    """Rules 3-5: how a prompt with this `worth_taking` match (or None), keeping `kept` cells if moved, and
-    this shared run is admitted."""
-    if match is not None and match.reuse >= len(match.conversation.tokens) and kept >= shared_cells:
-        return "move"
+def choose(match: Match | None, kept: int, shared_cells: int, prompt_len: int) -> Choice:
+    """Rules 3-5: how a prompt of `prompt_len` tokens with this `worth_taking` match (or None), keeping `kept`
+    cells if moved, and this shared run is admitted."""
+    if match is not None and kept >= shared_cells:
+        conv = match.conversation
+        next_turn = prompt_len > len(conv.tokens) and match.reuse >= conv.answer_start
+        if match.reuse >= len(conv.tokens) or next_turn:
+            return "move"
     if shared_cells > 0:
         return "share"
     return "move" if match is not None and kept > 0 else "cold"

@@ -215,7 +215,8 @@ class Scheduler:
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
         shared = shared_run(self, prompt)
-        how = choose(match, kept_by_move(self, match) if match else 0, len(shared) * self.map.chunk_cells)
+        kept = kept_by_move(self, match) if match else 0
+        how = choose(match, kept, len(shared) * self.map.chunk_cells, len(prompt))
         if how != "move":
             match = None
         if how != "share":
@@ -384,7 +385,7 @@ class Scheduler:
             return
         self.jobs[slot] = None
         if keep and job.fed > 0:
-            self.cache.hold(slot, job.tokens[: job.fed])
+            self.cache.hold(slot, job.tokens[: job.fed], answer_at=len(job.req.prompt))
         else:
             self.map.release(slot)
         self._wake.set()

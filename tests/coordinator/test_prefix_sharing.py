@@ -12,7 +12,8 @@ import asyncio
 import pytest
 
 from coordinator.engine import EngineError, TokenEvent
-from tests.coordinator.test_scheduler import assert_pool_accounted, make_cfg, req, run, solo, started
+from tests.accounting import assert_pool_accounted
+from tests.coordinator.test_scheduler import make_cfg, req, run, solo, started
 
 SYSTEM = list(range(500, 540))  # 40 tokens: chunks [0, 16) and [16, 32) full, [32, 40) in a third
 A = SYSTEM + list(range(600, 610))  # 50 tokens
@@ -135,5 +136,26 @@ async def test_a_branch_inside_a_shared_chunk_starts_cold_and_cuts_nobody():
     out, fin = await run(sched, req(p))
     assert fin.cached_tokens == 0 and out == (await solo(cfg, p))[0]
     assert sorted(len(c.tokens) for c in sched.held.values()) == [len(p) + 11, len(A) + 11, len(B) + 11]
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_a_turn_that_rewrites_the_last_token_moves_and_a_branch_shares():
+    """A held conversation of 61 tokens (three full chunks and 13 cells). A next turn that renders its last
+    token otherwise cuts 1 token to keep 12 cells more than the shared run: it moves (cached 60). A branch 8
+    tokens into the answer would cut 8 to keep 5 more: it shares the three full chunks and leaves A whole."""
+    cfg = make_cfg(True)
+    sched, _ = await started(cfg)
+    out_a, _ = await run(sched, req(A))
+    held = A + out_a[:-1]  # the last sampled token was never fed
+    assert sched.held[0].tokens == held and len(held) == 61
+    branch = held[:53] + [7]
+    out_b, fin_b = await run(sched, req(branch))
+    assert fin_b.cached_tokens == 48 and out_b == (await solo(cfg, branch))[0]
+    assert sorted(len(c.tokens) for c in sched.held.values()) == [61, len(branch) + 11]  # A is whole
+    turn = held[:60] + [5, 6]
+    out_t, fin_t = await run(sched, req(turn))
+    assert fin_t.cached_tokens == 60 and out_t == (await solo(cfg, turn))[0]
+    assert sched.cache.counters["shares"] == 1  # the branch's; the turn moved
     assert_pool_accounted(sched)
     await sched.stop()

@@ -16,6 +16,7 @@ from coordinator.link import StageDown, StepFailed
 from coordinator.scheduler import Scheduler
 from pool.chunk_map import TableMirror
 from pool.config import config_from_dict
+from tests.accounting import assert_pool_accounted
 
 STOP = 3
 
@@ -117,17 +118,6 @@ async def started(cfg, **kw) -> tuple[Scheduler, CellLink]:
     sched = Scheduler(cfg, link)
     await sched.start()
     return sched, link
-
-
-def assert_pool_accounted(sched: Scheduler) -> None:
-    """Idle: the held conversations' distinct chunks and the free ones make the pool (a shared chunk once)."""
-    m, c = sched.map, sched.cfg.engine.chunk_cells
-    distinct = {ch for t in sched.held for ch in m.entries(t)[: m.held_chunks(t)]}
-    assert all(j is None for j in sched.jobs)
-    assert m.free_cells + len(distinct) * c == m.total_cells
-    assert sum(m.held_chunks(t) for t in sched.held) * c == len(distinct) * c + m.saved_cells
-    sched.flush_cache()
-    assert sched.map.free_cells == sched.map.total_cells
 
 
 def prompts() -> list[list[int]]:

@@ -13,6 +13,7 @@ from coordinator import grammar as g
 from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
 from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
+from tests.accounting import assert_pool_accounted
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit", "ok"],
           "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
@@ -64,14 +65,6 @@ async def run(sched: Scheduler, req: GenRequest) -> tuple[list[int], Finished]:
     raise AssertionError("no Finished event")
 
 
-def assert_pool_accounted(sched: Scheduler) -> None:
-    held = sum(sched.map.held_chunks(t) for t in sched.held) * sched.cfg.engine.chunk_cells
-    assert all(j is None for j in sched.jobs)
-    assert sched.map.free_cells + held == sched.map.total_cells
-    sched.flush_cache()
-    assert sched.map.free_cells == sched.map.total_cells
-
-
 async def test_schema_answers_validate_greedy_and_sampled(box):
     sched, tok, headers = await started(box)
     grammar = g.json_schema(SCHEMA, strict=True)
@@ -89,6 +82,7 @@ async def test_schema_answers_validate_greedy_and_sampled(box):
         assert_pool_accounted(sched)
     finally:
         await sched.stop()
+        sched.link.close()
 
 
 async def test_an_unconstrained_request_beside_constrained_ones_keeps_its_solo_tokens(box):
@@ -111,6 +105,7 @@ async def test_an_unconstrained_request_beside_constrained_ones_keeps_its_solo_t
         assert_pool_accounted(sched)
     finally:
         await sched.stop()
+        sched.link.close()
 
 
 async def test_refused_grammars_fail_their_request_alone(box):
@@ -132,3 +127,4 @@ async def test_refused_grammars_fail_their_request_alone(box):
         assert_pool_accounted(sched)
     finally:
         await sched.stop()
+        sched.link.close()
