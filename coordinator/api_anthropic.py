@@ -34,6 +34,7 @@ from .api_generation import ClientGone, Front, Generation, new_id, sse_response
 from .engine import EngineError
 from .reasoning import template_thinks
 from .schemas import CountTokensRequest, MessagesRequest, json_body
+from .thinking_budget import SectionBudget
 
 log = logging.getLogger("strata.api")
 
@@ -176,9 +177,11 @@ def make_router(front: Front, auth: Callable) -> APIRouter:
                                    template_vars=template_vars(req, front))
         ids = await front.encode(prompt, param="messages")
         plan = front.answer_plan(prompt, tools, choice, id_prefix="toolu_")
-        grammar = front.grammar_for(plan, choice, thinking_budget=budget if plan.reasoning else None)
+        budget = budget if plan.reasoning else None
+        grammar = front.grammar_for(plan, choice, thinking_budget=budget)
         rid, model = new_id("msg_"), front.engine.model_name
-        gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), grammar=grammar)
+        thinking = SectionBudget(budget, opened=plan.inside) if budget is not None else None
+        gen = front.gen_request(rid, ids, req.max_tokens, req.sampling(), grammar=grammar, thinking=thinking)
         run = Generation(front, request, gen, req.stop_sequences, arrival)
         await run.start()
 

@@ -57,6 +57,7 @@ from .metrics import Metrics
 from .schemas import validation_message
 from .schemas_tools import ResponseFormat, ToolChoice, ToolSpec
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, Tokenizer
+from .thinking_budget import SectionBudget
 
 
 log = logging.getLogger("strata.api")
@@ -264,7 +265,7 @@ class Front:
 
     def gen_request(self, request_id: str, prompt: list[int], max_tokens: int | None, sampling: dict,
                     logprobs: int = 0, ignore_eos: bool = False, prompt_param: str = "messages",
-                    grammar: str | None = None) -> GenRequest:
+                    grammar: str | None = None, thinking: SectionBudget | None = None) -> GenRequest:
         """A GenRequest that fits `max_context`; `max_tokens` defaults to what the prompt leaves free.
         The tokenizer's eos ids end it, unless `ignore_eos` (then only max_tokens, or a stop string, does).
 
@@ -302,7 +303,8 @@ class Front:
         if sum(1 for _, b in bias if b <= -100) >= vocab:
             raise ApiError.bad_request("logit_bias: it bans every token of the vocabulary", param="logit_bias")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids)
-        return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs, grammar=grammar)
+        return GenRequest(request_id, list(prompt), max_tokens, sampling, stop_ids, logprobs, grammar=grammar,
+                          thinking=thinking)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -9,8 +9,9 @@ Rules:
    A forced tool choice takes precedence over response_format: the answer is then the calls, no content.
 3. "auto" and "none" constrain nothing (the model decides; the parser finds the calls it writes).
 4. When the prompt opens a reasoning section (answers.AnswerPlan.inside) or a thinking budget is given, a
-   constraint applies to the answer after the section: the grammar lets the section run free (up to the
-   budget) and then constrains what follows; a budget alone is a grammar too (reasoning.py rule 5). Otherwise
+   constraint applies to the answer after the section: the grammar lets the section run free and then
+   constrains what follows; a budget alone is a grammar too, whose Matcher forces the close marker at the
+   budget (grammar.py rule 5, thinking_budget.py). Otherwise
    the constraint starts at the first token (a model that was not asked to think is not let to wander into a
    section under a forced answer).
 5. A grammar the engine cannot build (an invalid schema, a schema feature it does not support) is a 400 naming
@@ -49,8 +50,8 @@ def grammar_for(plan: AnswerPlan, choice: ToolChoice, response_format: ResponseF
     try:
         body, param = _body(plan, choice, response_format)
         if plan.reasoning and (plan.inside or thinking_budget is not None):
-            return g.after_reasoning(body, thinking_budget, opened=plan.inside,
-                                     open_marker=reasoning.THINK_OPEN, close_marker=reasoning.THINK_CLOSE)
+            return g.after_reasoning(body, opened=plan.inside, open_marker=reasoning.THINK_OPEN,
+                                     close_marker=reasoning.THINK_CLOSE)
         return body
     except g.GrammarError as err:
         raise ApiError.bad_request(f"{param}: {err}", param=param) from None

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
+from .thinking_budget import SectionBudget
+
 SAMPLING_DEFAULTS: dict[str, float | int | list | None] = {
     "temperature": 1.0,  # 0 = greedy
     "top_p": 1.0,
@@ -45,6 +47,8 @@ class GenRequest:
     `sampling` has exactly the keys of `SAMPLING_DEFAULTS`. `logprobs` is how many top alternatives each
     TokenEvent carries in `top` (0: none); the sampled token's own logprob comes whenever the engine has it.
     `grammar` (coordinator/grammar.py) restricts every sampled token to what it allows; None: no constraint.
+    `thinking` cuts the reasoning section at its budget (coordinator/thinking_budget.py), through the grammar's
+    matcher.
     """
 
     request_id: str
@@ -54,6 +58,7 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int = 0
     grammar: str | None = None
+    thinking: SectionBudget | None = None  # a token budget on the reasoning section (needs a grammar)
 
 
 @dataclass(frozen=True)

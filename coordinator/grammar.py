@@ -29,10 +29,10 @@ Rules:
    `choice` "required": any of the tools; a tool name: that tool only. `parallel` False: exactly one call,
    True: one or more. The name is written as a JSON string. Markers ("<tool_call>", "[TOOL_CALLS]") are text,
    never a special token, so the decoded text carries them whether or not decoding skips special tokens.
-5. A reasoning model (`after_reasoning`): the thinking section runs free, within a token budget when given
-   (then its close marker is forced when the budget is spent), and the answer after it follows `body` (or is
-   free text when `body` is None). `opened`: the prompt already opened the section; otherwise the completion
-   may open one at its very start. At most two newlines separate the close marker from the answer.
+5. A reasoning model (`after_reasoning`): the thinking section runs free until its close marker, and the answer
+   after it follows `body` (or is free text when `body` is None). A token budget on the section is the
+   Matcher's (`Matcher(..., budget=)`, coordinator/thinking_budget.py): at the budget it forces the marker.
+   `opened`: the prompt already opened the section; otherwise the completion may open one at its very start. At most two newlines separate the close marker from the answer.
 6. `GrammarTokenizer.for_tokenizer(tok, n_vocab)` wraps the coordinator's tokenizer for llguidance, once per
    (tokenizer, n_vocab) (building it takes ~1 s for a large vocabulary). `n_vocab` is the model's vocabulary
    (its lm_head rows, the last stage's HELLO "vocab"), which may be larger than the tokenizer's: ids past the
@@ -60,6 +60,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+from .reasoning import THINK_CLOSE, THINK_OPEN
+from .thinking_budget import BudgetCounter, SectionBudget
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -175,36 +178,24 @@ def tool_calls(family: str, tools: list[dict[str, Any]], choice: str, parallel: 
         raise GrammarError(f"tools: {err}") from None
 
 
-def after_reasoning(body: str | None, thinking_budget: int | None, opened: bool, open_marker: str,
-                    close_marker: str) -> str:
-    """A thinking section (free, at most `thinking_budget` tokens when given), then `body` (rule 5)."""
-    if thinking_budget is not None and (isinstance(thinking_budget, bool) or not isinstance(thinking_budget, int)
-                                        or thinking_budget < 0):
-        raise GrammarError(f"the thinking budget must be an integer >= 0, got {thinking_budget!r}")
+def after_reasoning(body: str | None, opened: bool, open_marker: str, close_marker: str) -> str:
+    """A thinking section that runs until the model closes it, then `body` (rule 5; a budget is the
+    Matcher's, coordinator/thinking_budget.py)."""
     if not open_marker or not close_marker:
         raise GrammarError("the thinking markers must be non-empty")
     anything = "/(?s:.*)/"
     close = _regex_literal(close_marker)
-    # The section is one lexeme that ends with the close marker (the model closes it), or, when a budget cuts it,
-    # one without the marker, after which the marker is forced. llguidance's lexer does not back up: a lexeme
-    # that may hold "</think" but not "</think>" could not hand the ">" to a separate marker lexeme.
+    # The section is one lexeme that ends with the first close marker. llguidance's lexer does not back up: a
+    # lexeme that may hold "</think" but not "</think>" could not hand the ">" to a separate marker lexeme.
     lines = [f"CLOSED: /(?s:.*){close}/ & ~/(?s:.*){close}(?s:.+)/",
-             f"OPEN: {anything} & ~/(?s:.*){close}(?s:.*)/",
              f"GAP: /\\n{{1,{_MAX_GAP_NEWLINES}}}/"]
-    # The alternatives sit in `start` itself. Known gap: with these lexemes llguidance does not cut the section at
-    # max_tokens (the close marker is not forced at the budget); the section still closes when the model closes it.
     head = "" if opened else f"{_lit(open_marker)} "
-    if thinking_budget == 0:
-        alternatives = [f"{head}{_lit(close_marker)} GAP? answer"]
-    else:
-        budget = f"[max_tokens={thinking_budget}]" if thinking_budget is not None else ""
-        alternatives = [f"{head}closed GAP? answer", f"{head}cut {_lit(close_marker)} GAP? answer"]
-        lines += [f"closed{budget}: CLOSED", f"cut{budget}: OPEN"]
+    section = f"{head}CLOSED GAP? answer"
     if opened:
-        lines.insert(0, "start: " + " | ".join(alternatives))
+        lines.insert(0, f"start: {section}")
         text = anything
     else:
-        lines.insert(0, "start: " + " | ".join([*alternatives, "answer"]))
+        lines.insert(0, f"start: {section} | answer")
         text = f"{anything} & ~/[ \\t\\r\\n]*{_regex_literal(open_marker)}(?s:.*)/"  # the section opens only first
     grammars: list[dict[str, Any]] = []
     if body is None:
@@ -251,13 +242,20 @@ class GrammarTokenizer:
             return built[n_vocab]
 
 
+    def budget(self, thinking: SectionBudget, tok: "Tokenizer") -> BudgetCounter:
+        """A counter of `thinking` over this tokenizer (coordinator/thinking_budget.py)."""
+        return BudgetCounter(thinking, THINK_OPEN, THINK_CLOSE, tok.encode, self.ll.decode_bytes)
+
+
 class Matcher:
     """One request's position in its grammar (rule 8)."""
 
-    def __init__(self, gt: GrammarTokenizer, grammar: str, banned: Iterable[int] = ()) -> None:
+    def __init__(self, gt: GrammarTokenizer, grammar: str, banned: Iterable[int] = (),
+                 budget: BudgetCounter | None = None) -> None:
         if not isinstance(grammar, str) or not grammar:
             raise GrammarError("the grammar must be a non-empty string")
         self.gt = gt
+        self.budget = budget
         self._m = llguidance.LLMatcher(gt.ll, grammar, log_level=0)
         if self._m.is_error():
             raise GrammarError(f"the grammar is invalid: {self._m.get_error()}")
@@ -269,21 +267,30 @@ class Matcher:
 
     @classmethod
     def for_request(cls, tok: "Tokenizer | None", n_vocab: Any, grammar: str,
-                    logit_bias: list[list[float]] | None) -> "Matcher":
+                    logit_bias: list[list[float]] | None, thinking: SectionBudget | None = None) -> "Matcher":
         """The Matcher of a GenRequest: its grammar over `tok` and the model's `n_vocab` ids, with the ids its
-        logit_bias bans (bias -100) cleared from every mask (rule 8)."""
+        logit_bias bans (bias -100) cleared from every mask (rule 8), and its thinking budget."""
         if tok is None:
             raise GrammarError("this engine has no tokenizer to match a grammar against")
         if isinstance(n_vocab, bool) or not isinstance(n_vocab, int) or n_vocab <= 0:
             raise GrammarError(f"the model's vocabulary size is unknown (the last stage reported {n_vocab!r})")
         banned = [int(t) for t, b in (logit_bias or []) if b <= -BAN_BIAS]
-        return cls(GrammarTokenizer.for_tokenizer(tok, n_vocab), grammar, banned)
+        gt = GrammarTokenizer.for_tokenizer(tok, n_vocab)
+        return cls(gt, grammar, banned, gt.budget(thinking, tok) if thinking is not None else None)
 
     def mask(self) -> bytes:
-        """The next token's allowed set, laid out as rule 7 (GrammarError when none is left)."""
+        """The next token's allowed set, laid out as rule 7 (GrammarError when none is left): one id when the
+        thinking budget forces it."""
         mask = self._m.compute_bitmask()[: 4 * self.gt.words]  # llguidance adds a word when 32 divides n_vocab
         if self._m.is_error():
             raise GrammarError(f"the grammar failed: {self._m.get_error()}")
+        forced = self.budget.forced() if self.budget is not None else None
+        if forced is not None:
+            if mask[forced // 8] >> (forced % 8) & 1:
+                return (1 << forced).to_bytes(len(mask), "little")
+            if self.budget.forcing:
+                raise GrammarError(f"the grammar does not allow the thinking section's close marker (id {forced})")
+            # the section ends inside a UTF-8 character: the grammar lets only its next bytes come first
         if self._keep is not None:
             mask = (int.from_bytes(mask, "little") & self._keep).to_bytes(len(mask), "little")
         if mask.count(0) == len(mask):
@@ -293,6 +300,11 @@ class Matcher:
 
     def advance(self, token: int) -> None:
         """Take the sampled `token`; GrammarError if the grammar does not allow it here."""
+        if self.budget is not None:
+            try:
+                self.budget.advance(token)
+            except ValueError as err:
+                raise GrammarError(str(err)) from None
         if not self._m.consume_token(token):
             raise GrammarError(f"token {token} is not allowed by the grammar here: {self._m.get_error()}")
 

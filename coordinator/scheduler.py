@@ -262,7 +262,7 @@ class Scheduler:
         vocab = (self.link.stage_hello(len(self.cfg.stages) - 1) or {}).get("vocab")
         try:
             return await asyncio.to_thread(Matcher.for_request, self.tokenizer, vocab, req.grammar,
-                                           req.sampling.get("logit_bias"))
+                                           req.sampling.get("logit_bias"), req.thinking)
         except GrammarError as err:
             raise EngineError.invalid(f"grammar: {err}", param="grammar") from None
 

@@ -101,6 +101,8 @@ class LinearGeometry:
 
 def linear_problem(config: dict) -> str | None:
     """Why the stages cannot compute this config's layer kinds or linear geometry (rule 2), or None."""
+    if _arch(config) not in LINEAR_ARCHS:
+        return None  # every layer is full attention; the geometry is checked where the weights are read
     try:
         if LINEAR in layer_types(config):
             LinearGeometry.from_config(config)

@@ -8,6 +8,7 @@
     strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
     strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
     strata bench prefix   conversations on one long shared prefix, prefix sharing on vs off: how many fit, TTFT
+    strata bench masks    what a grammar mask costs per sampled token (build, advance + mask), per grammar
 
 Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
 The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, window, and the
@@ -159,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--seed", type=int, default=0)
     prefix.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
 
+    masks = sub.add_parser("masks", help="grammar mask cost per sampled token, per grammar the API builds")
+    common(masks)
+    masks.add_argument("--model", default="", help="a checkpoint directory whose tokenizer to use")
+    masks.add_argument("--vocab", type=int, default=32000, help="without --model: the trained tokenizer's size")
+    masks.add_argument("--tokens", type=int, default=256, help="tokens per walk at most")
+    masks.add_argument("--walks", type=int, default=4)
+    masks.add_argument("--seed", type=int, default=0)
+
     peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers (and llama.cpp), same weights")
     common(peers)
     peers.add_argument("--arch", default="qwen3")
@@ -215,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                 url=args.url, clients=args.clients, seconds=args.seconds, api_key=args.api_key, model=args.model,
                 seed=args.seed, timeout_s=args.timeout, stream_share=args.stream_share,
                 disconnect_share=args.disconnect_share, max_tokens=args.max_tokens))
+        elif args.bench == "masks":
+            from .masks import run_masks
+
+            result = run_masks(args)
         elif args.bench == "prefix":
             from .prefix import run_prefix
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator import grammar as g
+from coordinator.thinking_budget import SectionBudget
 from coordinator.tokenizer import Tokenizer
 
 N_VOCAB = 520  # the model's ids: 8 past the tiny tokenizer's 512, never allowed
@@ -31,10 +32,10 @@ def allowed_ids(mask: bytes) -> list[int]:
 
 
 def walk(gt: g.GrammarTokenizer, tok: Tokenizer, grammar: str, seed: int, limit: int = 400,
-         banned: tuple[int, ...] = ()) -> tuple[str, list[int], bool]:
+         banned: tuple[int, ...] = (), budget: SectionBudget | None = None) -> tuple[str, list[int], bool]:
     """Sample random logits through the masks until eos: (text, tokens, ended by eos)."""
     rng = np.random.default_rng(seed)
-    m = g.Matcher(gt, grammar, banned)
+    m = g.Matcher(gt, grammar, banned, gt.budget(budget, tok) if budget is not None else None)
     out: list[int] = []
     for _ in range(limit):
         mask = m.mask()
@@ -114,7 +115,7 @@ PARAMS = {"get_weather": WEATHER, "ping": {"type": "object", "additionalProperti
 def test_constructors_give_validated_serialized_grammars():
     for grammar in (g.json_object(), g.json_schema(PERSON, strict=True), g.json_schema(PERSON, strict=False),
                     g.tool_calls("hermes", TOOLS, "required", True),
-                    g.after_reasoning(g.json_object(), 32, True, "<think>", "</think>")):
+                    g.after_reasoning(g.json_object(), True, "<think>", "</think>")):
         assert json.loads(grammar)["grammars"]
 
 
@@ -132,8 +133,7 @@ def test_constructors_give_validated_serialized_grammars():
     (lambda: g.tool_calls("hermes", TOOLS, "get_time", True), "tool_choice names 'get_time'"),
     (lambda: g.tool_calls("mistral", [{"name": "f", "parameters": {"type": "bogus"}}], "f", False),
      "tools: .*Invalid type: bogus"),
-    (lambda: g.after_reasoning(None, -1, True, "<think>", "</think>"), "thinking budget must be an integer >= 0"),
-    (lambda: g.after_reasoning("not a grammar", 4, True, "<think>", "</think>"), "answer's grammar"),
+    (lambda: g.after_reasoning("not a grammar", True, "<think>", "</think>"), "answer's grammar"),
 ])
 def test_what_cannot_become_a_grammar_is_a_grammar_error(build, message):
     with pytest.raises(g.GrammarError, match=message):
@@ -277,42 +277,50 @@ def thinking_tokens(gt: g.GrammarTokenizer, tokens: list[int], close: str) -> in
     return next(n for n in range(len(tokens) + 1) if len(gt.ll.decode_bytes(tokens[:n])) >= len(thinking))
 
 
-BUDGET_GAP = pytest.mark.xfail(strict=True, reason="llguidance does not cut the thinking lexeme at max_tokens (grammar.after_reasoning, known gap)")
+def assert_within_budget(gt: g.GrammarTokenizer, section: list[int], n: int, budget: int) -> None:
+    """n section tokens: at most the budget, or up to three more that finish a UTF-8 character the budget's
+    last token began (thinking_budget.py rule 3)."""
+    if n > budget:
+        assert n - budget <= 3, (n, budget)
+        with pytest.raises(UnicodeDecodeError):
+            gt.ll.decode_bytes(section[:budget]).decode("utf-8")
 
 
-@pytest.mark.parametrize("budget", [0, pytest.param(3, marks=BUDGET_GAP), pytest.param(12, marks=BUDGET_GAP)])
+@pytest.mark.parametrize("budget", [0, 3, 12])
 def test_a_thinking_budget_closes_the_section_then_the_answer_follows_its_grammar(tok, gt, budget):
-    grammar = g.after_reasoning(g.json_schema(WEATHER, True), budget, True, "<think>", "</think>")
+    grammar = g.after_reasoning(g.json_schema(WEATHER, True), True, "<think>", "</think>")
     longest = 0
     for seed in range(6):
-        text, tokens, ended = walk(gt, tok, grammar, seed)
+        text, tokens, ended = walk(gt, tok, grammar, seed, budget=SectionBudget(budget, opened=True))
         assert ended, text
         n = thinking_tokens(gt, tokens, "</think>")
-        assert n <= budget
+        assert_within_budget(gt, tokens, n, budget)
         longest = max(longest, n)
         answer = text.split("</think>", 1)[1]
         gap = len(answer) - len(answer.lstrip("\n"))
         assert gap <= 2
         validate(json.loads(answer[gap:]), WEATHER)
-    assert longest == budget  # a random model thinks until the budget closes the section
+    assert longest >= budget  # a random model thinks until the budget closes the section
 
 
-@BUDGET_GAP
 def test_a_section_the_completion_may_open_and_free_text_after_it(tok, gt):
-    grammar = g.after_reasoning(g.json_schema(WEATHER, True), 4, False, "<think>", "</think>")
+    grammar = g.after_reasoning(g.json_schema(WEATHER, True), False, "<think>", "</think>")
     forms = set()
     for seed in range(12):
-        text, _, ended = walk(gt, tok, grammar, seed)
+        text, tokens, ended = walk(gt, tok, grammar, seed, budget=SectionBudget(4, opened=False))
         assert ended, text
         if text.startswith("<think>"):
             forms.add("section")
+            opened = next(n for n in range(len(tokens)) if tok.decode(tokens[: n + 1]).startswith("<think>"))
+            section = tokens[opened + 1:]
+            assert_within_budget(gt, section, thinking_tokens(gt, section, "</think>"), 4)
             text = text.split("</think>", 1)[1]
         else:
             forms.add("direct")
         validate(json.loads(text), WEATHER)
     assert forms == {"section", "direct"}
-    free = g.after_reasoning(None, 2, True, "<think>", "</think>")
-    m = g.Matcher(gt, free)
+    free = g.after_reasoning(None, True, "<think>", "</think>")
+    m = g.Matcher(gt, free, budget=gt.budget(SectionBudget(2, opened=True), tok))
     for t in tok.encode("ab</think>\n\nanything at all"):
         m.advance(t)
     assert set(gt.eos_ids) <= set(allowed_ids(m.mask())) and not m.finished

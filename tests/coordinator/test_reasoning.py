@@ -74,10 +74,12 @@ def test_templates_and_prompts():
 
 def test_a_reasoning_grammar_lets_the_section_close_before_its_budget(tokenizer):
     from coordinator import grammar as g
+    from coordinator.thinking_budget import SectionBudget
 
     gt = g.GrammarTokenizer.for_tokenizer(tokenizer, tokenizer.vocab_size)
     for opened in (True, False):
-        m = g.Matcher(gt, g.after_reasoning(g.json_object(), 50, opened, "<think>", "</think>"))
+        budget = gt.budget(SectionBudget(50, opened), tokenizer)
+        m = g.Matcher(gt, g.after_reasoning(g.json_object(), opened, "<think>", "</think>"), budget=budget)
         for t in tokenizer.encode(("" if opened else "<think>") + 'hmm</think>\n\n{"a": 1}'):
             m.mask()
             m.advance(t)

@@ -110,3 +110,25 @@ def test_constrained_beside_free_request_leaves_it_unchanged(server):
         assert together.result().choices[0].message.content == solo
         for f in forced:
             assert f.result().choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def long_server(strata_up):
+    return strata_up(max_context=2048, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64)
+
+
+def test_an_anthropic_thinking_budget_closes_the_section_and_the_answer_follows(long_server):
+    """The random model does not close its section on its own: on the OpenAI route with thinking on and no
+    budget it thinks until max_tokens (the control). With a budget of 1024 the section is cut there and a
+    text block follows the thinking block."""
+    msgs = [{"role": "user", "content": "Think it over."}]
+    free = long_server.openai().chat.completions.create(
+        model=long_server.model, messages=msgs, max_tokens=1200, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
+    assert free.choices[0].message.model_extra["reasoning_content"]
+    resp = long_server.anthropic().messages.create(model="m", max_tokens=1200, messages=msgs,
+                                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in resp.content] == ["thinking", "text"], resp.content
+    assert "</think>" not in resp.content[0].thinking and resp.content[1].text
+    long_server.check_clean()
