@@ -41,7 +41,7 @@ from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
 from pool.logs import event
 
-from . import views
+from . import linear_state, views
 from .cache import ConversationCache
 from .conversations import best_match, worth_taking
 from .engine import EngineError, Finished, GenRequest, TokenEvent
@@ -211,10 +211,13 @@ class Scheduler:
         A move or a shared run of full chunks, whichever coordinator/prefix_sharing.py `choose`s.
         """
         prompt = job.req.prompt
+        stateful = self._keeps_state()
         match = best_match(prompt, [c for c in self.held.values() if c.table not in self.pinned])
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
-        shared = shared_run(self, prompt)
+        if stateful:
+            match = linear_state.reusable(match, self.parallel)
+        shared = [] if stateful else shared_run(self, prompt)
         kept = kept_by_move(self, match) if match else 0
         how = choose(match, kept, len(shared) * self.map.chunk_cells, len(prompt))
         if how != "move":
@@ -232,7 +235,10 @@ class Scheduler:
             reuse = match.reuse
             self.cache.bring(match.conversation, slot)
         elif slot in self.held:
-            self.cache.park(slot)
+            if stateful:
+                self.cache.release(slot)  # its state goes with the slot (linear_state.py rule 3)
+            else:
+                self.cache.park(slot)
         self.held.pop(slot, None)
         self.map.shrink(slot, reuse)
         reuse = min(reuse, self.map.held_cells(slot))  # a chunk another table holds is never kept in part
@@ -255,6 +261,11 @@ class Scheduler:
         self.jobs[slot] = job
         event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
         return True
+
+    def _keeps_state(self) -> bool:
+        """Some stage keeps linear-attention state entries (coordinator/linear_state.py)."""
+        hello = getattr(self.link, "stage_hello", None)
+        return hello is not None and linear_state.keeps_state(hello, len(self.cfg.stages))
 
     # ---- grammars ----------------------------------------------------------------------------------
     async def _matcher(self, req: GenRequest) -> Matcher:
@@ -417,7 +428,10 @@ class Scheduler:
         whose chunks the stage's generations do not vouch for are dropped (ChunkMap.intact)."""
         hello = self.link.stage_hello(index) or {}
         gens = hello.get("generations")
-        lost = [t for t in self.held if not self.map.intact(t, gens)]
+        if self._keeps_state():
+            lost = list(self.held)  # no state survives a stage's restart (linear_state.py rule 4)
+        else:
+            lost = [t for t in self.held if not self.map.intact(t, gens)]
         for table in lost:
             self.cache.release(table)
         self.counters["lost"] += len(lost)

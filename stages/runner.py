@@ -197,6 +197,7 @@ class StageRunner:
             "pid": os.getpid(),
             "version": self.mirror.version,
             "vocab": self.model.vocab_size,  # logits per sampled row: the size of a grammar mask
+            "state_entries": self.state.n_entries if self.state is not None else 0,  # coordinator/linear_state.py
             "generations": list(self.memory.generations[: e.n_chunks]),
         }
 

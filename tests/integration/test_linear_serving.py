@@ -1,0 +1,86 @@
+"""A hybrid linear-attention model (tiny Qwen3-Next: layers 0-2 Gated DeltaNet, layer 3 full attention) served by
+`strata up` on two CPU stages (stage 0 holds no full-attention layer, so no pool cells) behind the official
+client, against transformers' greedy tokens on the same checkpoint. The conversation rules of
+coordinator/linear_state.py: a held conversation continued whole reuses its cells and its slot's state; a
+prompt that branches inside it starts cold (a state cannot be rewound); concurrent requests give their solo
+tokens; a restarted stage drops every held conversation."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import Server, oracle_decode, oracle_greedy
+
+MAX = 10
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_factory):
+    model = tiny_model_factory("qwen3_next", layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
+    root = Path(tempfile.mkdtemp(prefix="sl", dir="/tmp"))
+    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024})
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def clean(hybrid):
+    yield
+    hybrid.check_clean()
+
+
+def complete(server: Server, prompt: list[int]) -> tuple[str, int, str]:
+    """(greedy text, cached prompt tokens, finish reason) of /v1/completions on token ids."""
+    r = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=MAX, temperature=0)
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens, r.choices[0].finish_reason
+
+
+def want(server: Server, prompt: list[int]) -> tuple[list[int], str]:
+    """transformers' greedy (ids, text) for `prompt`, MAX tokens of it (the random model never ends sooner)."""
+    ids, ended = oracle_greedy(server.data["model"], prompt, MAX)
+    assert not ended and len(ids) == MAX
+    return ids, oracle_decode(server.data["model"], ids)
+
+
+PROMPT = [40 + 3 * k for k in range(37)]
+
+
+def test_a_whole_continuation_reuses_the_slot_and_a_branch_starts_cold(hybrid):
+    ids, text = want(hybrid, PROMPT)
+    assert complete(hybrid, PROMPT) == (text, 0, "length")
+    turn = PROMPT + ids + [7, 8, 9]  # the held conversation is PROMPT + ids[:-1]: the turn continues it whole
+    assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(PROMPT) + MAX - 1, "length")
+    branch = PROMPT[:30] + [11, 12]  # shares 30 tokens, but a state cannot be rewound
+    assert complete(hybrid, branch) == (want(hybrid, branch)[1], 0, "length")
+
+
+def test_concurrent_requests_give_their_solo_tokens(hybrid):
+    prompts = [[60 + 5 * i + k for k in range(20 + 7 * i)] for i in range(4)]
+    solo = [want(hybrid, p)[1] for p in prompts]
+    with cf.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: complete(hybrid, p)[0], prompts))
+    assert together == solo
+
+
+def test_a_restarted_stage_drops_the_held_conversations(hybrid):
+    ids, text = want(hybrid, PROMPT)
+    assert complete(hybrid, PROMPT)[0] == text
+    lost = hybrid.live()["counters"]["lost"]
+    os.kill(hybrid.stage_pid(0), signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while hybrid.live()["counters"]["lost"] == lost:  # counted when the restarted stage is verified
+        assert time.monotonic() < deadline, "the restarted stage was not taken back"
+        time.sleep(0.1)
+    hybrid.wait_healthy(90)
+    assert hybrid.live()["counters"]["lost"] == lost + 1
+    turn = PROMPT + ids + [7]
+    assert complete(hybrid, turn) == (want(hybrid, turn)[1], 0, "length")
