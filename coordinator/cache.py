@@ -14,6 +14,8 @@ Rules:
   evicts nobody when even all of them would not cover it. A conversation counts the cells only it holds (a
   chunk it shares with another table is freed only by the last holder); when those do not cover it, the
   chunks only held conversations share count too (`pool.policy.shared_eviction_plan`).
+- A model with linear-attention state: each table's state entry moves with its chunks (`entries`,
+  coordinator/linear_state.py rule 1); a park with no entry free drops an older parked conversation.
 - `share(slot, chunks)` maps a shared run of full chunks (pool/chunk_map.py rules 12-17) into an empty slot;
   releasing or evicting a table drops its references, and frees only the chunks no other table holds.
 """
@@ -26,6 +28,7 @@ from pool.logs import event
 from pool.policy import Candidate, eviction_plan, shared_eviction_plan
 
 from .conversations import Conversation
+from .linear_state import StateEntries
 
 log = logging.getLogger("strata.cache")
 
@@ -38,6 +41,7 @@ class ConversationCache:
         self.n_slots = n_slots
         self.held: dict[int, Conversation] = {}  # table -> conversation (idle slots and parked tables)
         self.counters = {"evictions": 0, "moves": 0, "shares": 0}
+        self.entries: StateEntries | None = None  # a model with linear-attention state (linear_state.py rule 1)
 
     def parked(self) -> list[int]:
         return [t for t in self.held if t >= self.n_slots]
@@ -55,6 +59,8 @@ class ConversationCache:
         self.map.release(table)
         if table >= self.n_slots:
             self.map.drop_table(table)
+            if self.entries is not None:
+                self.entries.drop(table)
 
     def evict(self, table: int) -> None:
         self.release(table)
@@ -87,6 +93,19 @@ class ConversationCache:
         conv.table = table
         self.held[table] = conv
         self.counters["moves"] += 1
+        if self.entries is not None:
+            self._entry_for(slot, table)
+
+    def _entry_for(self, slot: int, parked: int) -> None:
+        """The slot whose conversation just went to `parked` (with its state entry) takes a free entry; with
+        none free, an older parked conversation is dropped for its entry, else `parked` itself (rule 1)."""
+        assert self.entries is not None
+        self.entries.swap(slot, parked)
+        if self.entries.give(slot):
+            return
+        older = sorted((c.last_used, t) for t, c in self.held.items() if t >= self.n_slots and t != parked)
+        self.evict(older[0][1] if older else parked)
+        self.entries.give(slot)
 
     def bring(self, conv: Conversation, slot: int) -> None:
         """Move held `conv` into `slot` (admission by move); the slot's own conversation takes its table."""
@@ -94,6 +113,8 @@ class ConversationCache:
             return
         parked = conv.table
         self.map.swap(slot, parked)
+        if self.entries is not None:
+            self.entries.swap(slot, parked)
         self.counters["moves"] += 1
         del self.held[parked]
         other = self.held.pop(slot, None)
@@ -102,6 +123,8 @@ class ConversationCache:
             self.held[parked] = other
         else:
             self.map.drop_table(parked)
+            if self.entries is not None:
+                self.entries.drop(parked)
         conv.table = slot
         self.held[slot] = conv
 

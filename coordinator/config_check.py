@@ -22,7 +22,10 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
   frames are a second host array, and there is no device figure).
 - scratch (CUDA): `pool.window_plan.scratch_bytes`, the device memory a step's transient tensors are
   given, from the model's hidden, intermediate, heads, KV heads, head_dim and vocab (last stage).
-- device (CUDA): weights + window + scratch, what the card must hold besides the CUDA context; a note
+- state: on a stage with linear-attention layers, `engine.state_entries` (default 2 x parallel) entries of
+  `pool.layer_kinds.state_entry_bytes` each (conv state in the compute dtype, recurrent state in float32), in
+  the stage's device memory (coordinator/linear_state.py).
+- device (CUDA): weights + window + scratch + state, what the card must hold besides the CUDA context; a note
   per CUDA stage spells it out beside the pinned host pool.
 - baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
   without the pool (one full context per slot plus one for a parked conversation).
@@ -55,7 +58,7 @@ from typing import Any
 import yaml
 
 from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, rotary_problem, uncomputable  # noqa: F401
-from pool.layer_kinds import FULL, layer_types
+from pool.layer_kinds import FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
@@ -111,7 +114,9 @@ class StageFigures:
     window_cells: int = 0       # window_frames * chunk_cells
     window_bytes: int = 0       # (window_frames + 1) frames, the trash frame included
     scratch_bytes: int | None = None  # CUDA only; None elsewhere or when the geometry is incomplete
-    device_bytes: int | None = None   # CUDA: weights + window + scratch; None elsewhere or when unknown
+    device_bytes: int | None = None   # CUDA: weights + window + scratch + state; None elsewhere or when unknown
+    state_entries: int = 0      # linear-attention state entries (0: the stage has no linear layer)
+    state_bytes: int = 0        # state_entries x one entry (pool/layer_kinds.state_entry_bytes), on the device
 
 
 @dataclass
@@ -281,7 +286,7 @@ def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], tied:
 
 
 def _stage_figures(cfg: Config, i: int, info: ModelInfo, per_cell: int, kv_dtype: str, weight_bytes: int | None,
-                   baseline_cells: int) -> StageFigures:
+                   baseline_cells: int, entry_bytes: int = 0) -> StageFigures:
     """Stage i's host pool, device window, scratch and device total (module docstring)."""
     e, s = cfg.engine, cfg.stages[i]
     n_layers = info.pool_layers(*s.layers)
@@ -297,15 +302,16 @@ def _stage_figures(cfg: Config, i: int, info: ModelInfo, per_cell: int, kv_dtype
     frame = frame_bytes(e.chunk_cells, per_cell, n_layers)
     frames = plan_frames(e, s.device, frame, i)  # free memory unknown: "auto" is the whole pool
     window = window_bytes(frames, frame)
+    entries = e.n_state_entries if entry_bytes else 0
     scratch = device = None
     if cuda and info.intermediate is not None and info.vocab is not None:
         is_last = i == len(cfg.stages) - 1
         scratch = scratch_bytes(e, Geometry(info.hidden, info.intermediate, info.heads, info.kv_heads, info.head_dim,
                                             info.vocab, is_last))
-        device = None if weight_bytes is None else weight_bytes + window + scratch
+        device = None if weight_bytes is None else weight_bytes + window + scratch + entries * entry_bytes
     return StageFigures(i, s.device, s.layers, weight_bytes, pool_bytes, e.n_chunks * e.chunk_cells,
                         baseline_cells * n_layers * per_cell, cuda, frames, frames * e.chunk_cells, window, scratch,
-                        device)
+                        device, entries, entries * entry_bytes)
 
 
 def _memory_notes(cfg: Config, stages: list[StageFigures]) -> list[str]:
@@ -380,7 +386,9 @@ def check(cfg: Config) -> Report:
     if kv_dtype == "int8":
         per_cell += 2 * info.kv_heads * 4
     baseline_cells = (e.parallel + 1) * e.max_context
-    stages = [_stage_figures(cfg, i, info, per_cell, kv_dtype, weights[i] if weights else None, baseline_cells)
+    compute = e.dtype if e.dtype != "auto" else info.dtype
+    stages = [_stage_figures(cfg, i, info, per_cell, kv_dtype, weights[i] if weights else None, baseline_cells,
+                             state_entry_bytes(conf, *cfg.stages[i].layers, DTYPE_BYTES.get(compute, 2)))
               for i in range(len(cfg.stages))]
     notes += _memory_notes(cfg, stages)
     return Report(cfg, info, kv_dtype, per_cell, baseline_cells, stages, notes)
@@ -446,6 +454,10 @@ def format_report(report: Report) -> str:
         lines.append(f"stage {s.index}: weights {weights} B, pool {s.pool_bytes} B ({host}); without the pool "
                      f"(parallel + 1) x max_context = {report.baseline_cells} cells: {s.baseline_bytes} B "
                      f"({_gib(s.baseline_bytes)} GiB)")
+        if s.state_entries:
+            lines.append(f"stage {s.index}: linear-attention state {s.state_entries} entries (engine.state_entries) "
+                         f"x {s.state_bytes // s.state_entries} B = {s.state_bytes} B ({_gib(s.state_bytes)} GiB, "
+                         f"in {'device' if s.pinned else 'host'} memory)")
         if s.window_frames:
             line = (f"stage {s.index}: window {s.window_frames} frames = {s.window_cells} cells, + 1 trash frame: "
                     f"{s.window_bytes} B")

@@ -1,19 +1,28 @@
-"""Conversations of a model with linear-attention layers (Qwen3-Next): what the coordinator may reuse.
+"""Conversations of a model with linear-attention layers (Qwen3-Next): their state entries, and what may be reused.
 
-Such a stage keeps, beside its K/V cells, one state entry per slot (stages/state_pool.py): the conv and
-recurrent state after every token the slot's last conversation absorbed. A state cannot be rewound, cut or
-shared: it is that of one whole token sequence. A stage says it keeps them in its HELLO (`state_entries` > 0),
-and refuses a step that continues an entry holding another prefix. So, while any stage keeps state entries:
+Such a stage keeps, beside its K/V cells, a pool of state entries (stages/state_pool.py, `engine.state_entries`,
+default 2 x parallel): each the conv and recurrent state after every token one conversation absorbed, a fixed
+size however long it is. A state cannot be rewound, cut or shared: it is that of one whole token sequence. A
+stage says it keeps entries in its HELLO (`state_entries`: how many), and refuses a step that continues an entry
+holding another prefix, so no rule here can make an answer wrong, only slower.
 
-1. A held conversation is reused only by a prompt that continues it whole, in the slot that computed it (the
-   slot's entry holds exactly its tokens). A branch inside it, or a match below its end, starts cold.
-2. Prefix sharing is off: a shared run of chunks would come without the state at its end.
-3. A conversation moved out of its slot (parked) loses its state when the slot computes another one: it is
-   dropped instead of parked, its cells freed at once. No conversation is ever brought into another slot.
-4. A (re)joined stage starts with no state its conversations could continue (the pool file holds K/V only):
-   every held conversation is dropped, counted as lost. Session files are refused by such stages.
-What this gives up, against the issue's design of state entries that follow tables and checkpoints at chunk
-boundaries: reuse across parking, branches and crash re-attach. What it keeps: every answer exact.
+While any stage keeps entries, the coordinator owns which entry each table's conversation lives in
+(`StateEntries`), as it owns which chunks each table holds, and every step names each row's entry in its header
+(`"states": [entry, ...]`, in the order of `"slots"`):
+
+1. Entries follow tables. Slot s starts with entry s; the others are free. Parking swaps the slot's entry into
+   the parked table with its chunks (no state byte moves); the slot then takes a free entry. With none free, the
+   least recently used other parked conversation is dropped for its entry, and with no other parked one the
+   conversation just parked is dropped instead (its entry stays with the slot). Bringing a parked conversation
+   into a slot swaps the two tables' entries as it swaps their chunks; a dropped parked table frees its entry.
+2. A held conversation is reused only by a prompt that continues it whole (its entry holds exactly its tokens),
+   from its slot or, brought in, from its parked table. A branch inside it, or a match below its end, starts
+   cold; prefix sharing is off (a shared run of chunks would come without the state at its end).
+3. A (re)joined stage has no state its conversations could continue (the pool file holds K/V, not state): every
+   held conversation is dropped, counted as lost, and the entries start over. Session files are refused by such
+   stages (stages/runner.py).
+What this does not keep, against checkpoints of the state at chunk boundaries: reuse by branches (an answer
+asked again, an edited turn), which read their prompt again.
 """
 from __future__ import annotations
 
@@ -22,14 +31,59 @@ from collections.abc import Callable
 from .conversations import Match
 
 
-def keeps_state(stage_hello: Callable[[int], dict | None], n_stages: int) -> bool:
-    """Whether any stage's HELLO reports state entries."""
-    return any(((stage_hello(i) or {}).get("state_entries") or 0) > 0 for i in range(n_stages))
+def state_entries(stage_hello: Callable[[int], dict | None], n_stages: int) -> int:
+    """The fewest state entries any stage that keeps them reports (0: none keeps any)."""
+    counts = [int((stage_hello(i) or {}).get("state_entries") or 0) for i in range(n_stages)]
+    kept = [c for c in counts if c > 0]
+    return min(kept) if kept else 0
 
 
-def reusable(match: Match | None, n_slots: int) -> Match | None:
-    """Rule 1: `match` when the prompt continues its conversation whole in the conversation's own slot."""
-    if match is None:
+def reusable(match: Match | None) -> Match | None:
+    """Rule 2: `match` when the prompt continues its conversation whole."""
+    if match is None or match.reuse < len(match.conversation.tokens):
         return None
-    conv = match.conversation
-    return match if conv.table < n_slots and match.reuse >= len(conv.tokens) else None
+    return match
+
+
+class StateEntries:
+    """Which state entry each table (slot or parked) holds (rule 1); the cache keeps it in step with the map."""
+
+    def __init__(self, n_entries: int, n_slots: int) -> None:
+        if n_entries < n_slots:
+            raise ValueError(f"{n_entries} state entries for {n_slots} slots: every slot needs one")
+        self.n_entries, self.n_slots = n_entries, n_slots
+        self.of: dict[int, int] = {s: s for s in range(n_slots)}  # table -> entry
+        self.free: list[int] = list(range(n_entries - 1, n_slots - 1, -1))  # popped from the end: lowest first
+
+    def swap(self, a: int, b: int) -> None:
+        """Tables a and b exchange their entries (a table without one gives none)."""
+        ea, eb = self.of.pop(a, None), self.of.pop(b, None)
+        if eb is not None:
+            self.of[a] = eb
+        if ea is not None:
+            self.of[b] = ea
+
+    def drop(self, table: int) -> None:
+        """A dropped parked table's entry becomes free."""
+        e = self.of.pop(table, None)
+        if e is not None:
+            self.free.append(e)
+
+    def give(self, slot: int) -> bool:
+        """Make sure `slot` has an entry: False when it has none and none is free."""
+        if slot in self.of:
+            return True
+        if not self.free:
+            return False
+        self.of[slot] = self.free.pop()
+        return True
+
+    def rows(self, slots: list[int]) -> list[int]:
+        """The step header's `states` for these slots."""
+        return [self.of[s] for s in slots]
+
+    def check(self) -> None:
+        """Every entry in exactly one place, every slot with one (for tests)."""
+        placed = list(self.of.values()) + self.free
+        assert sorted(placed) == list(range(self.n_entries)), (self.of, self.free)
+        assert all(s in self.of for s in range(self.n_slots)), self.of

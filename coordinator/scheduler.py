@@ -216,7 +216,7 @@ class Scheduler:
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
         if stateful:
-            match = linear_state.reusable(match, self.parallel)
+            match = linear_state.reusable(match)
         shared = [] if stateful else shared_run(self, prompt)
         kept = kept_by_move(self, match) if match else 0
         how = choose(match, kept, len(shared) * self.map.chunk_cells, len(prompt))
@@ -235,10 +235,7 @@ class Scheduler:
             reuse = match.reuse
             self.cache.bring(match.conversation, slot)
         elif slot in self.held:
-            if stateful:
-                self.cache.release(slot)  # its state goes with the slot (linear_state.py rule 3)
-            else:
-                self.cache.park(slot)
+            self.cache.park(slot)
         self.held.pop(slot, None)
         self.map.shrink(slot, reuse)
         reuse = min(reuse, self.map.held_cells(slot))  # a chunk another table holds is never kept in part
@@ -263,9 +260,16 @@ class Scheduler:
         return True
 
     def _keeps_state(self) -> bool:
-        """Some stage keeps linear-attention state entries (coordinator/linear_state.py)."""
+        return self._state_entries() > 0
+
+    def _state_entries(self) -> int:
+        """The state entries the stages keep (0: a model without linear attention), the cache's map of them
+        made on first sight (coordinator/linear_state.py)."""
         hello = getattr(self.link, "stage_hello", None)
-        return hello is not None and linear_state.keeps_state(hello, len(self.cfg.stages))
+        n = linear_state.state_entries(hello, len(self.cfg.stages)) if hello is not None else 0
+        if n and self.cache.entries is None:
+            self.cache.entries = linear_state.StateEntries(n, self.parallel)
+        return n
 
     # ---- grammars ----------------------------------------------------------------------------------
     async def _matcher(self, req: GenRequest) -> Matcher:
@@ -324,6 +328,8 @@ class Scheduler:
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
         if masks:
             header["masks"] = masks
+        if self.cache.entries is not None:
+            header["states"] = self.cache.entries.rows([row[0] for row in slots])
         return header, tokens, members
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
@@ -428,13 +434,16 @@ class Scheduler:
         whose chunks the stage's generations do not vouch for are dropped (ChunkMap.intact)."""
         hello = self.link.stage_hello(index) or {}
         gens = hello.get("generations")
-        if self._keeps_state():
-            lost = list(self.held)  # no state survives a stage's restart (linear_state.py rule 4)
+        n_entries = self._state_entries()
+        if n_entries:
+            lost = list(self.held)  # no state survives a stage's restart (linear_state.py rule 3)
+            self.cache.entries = None  # they start over, below
         else:
             lost = [t for t in self.held if not self.map.intact(t, gens)]
         for table in lost:
             self.cache.release(table)
         self.counters["lost"] += len(lost)
+        self._state_entries()
         event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
               reattached=hello.get("pool", {}).get("reattached"))
         pending = self.map.drain_ops()

@@ -92,6 +92,9 @@ class EngineConfig(_Strict):
     # Pool on: a new request maps full chunks of another conversation's identical prefix instead of reading
     # them again (pool/chunk_map.py rules 12-17, coordinator/prefix_sharing.py). No effect with the pool off.
     share_prefixes: bool = True
+    # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
+    # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
+    state_entries: int = Field(0, ge=0)
 
     @field_validator("device_cells")
     @classmethod
@@ -99,6 +102,17 @@ class EngineConfig(_Strict):
         if isinstance(v, int) and v < 0:
             raise ValueError(f"a window cannot have {v} cells; use auto, 0 (off on CPU) or a number of cells")
         return v
+
+    @property
+    def n_state_entries(self) -> int:
+        return self.state_entries or 2 * self.parallel
+
+    @model_validator(mode="after")
+    def _an_entry_per_slot(self) -> "EngineConfig":
+        if self.state_entries and self.state_entries < self.parallel:
+            raise ValueError(f"engine.state_entries={self.state_entries} is smaller than engine.parallel="
+                             f"{self.parallel}: every slot needs a state entry of its own")
+        return self
 
     @property
     def pool_on(self) -> bool:

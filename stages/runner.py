@@ -140,8 +140,9 @@ class StageRunner:
         self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
                           self.kv_dtype, "cpu", self.n_slots, self.table_chunks, storage=storage)
         self.window = self._window(layout)
-        # Linear-attention layers (stages/state_pool.py): one state entry per slot, the step's default entries.
-        self.state = self.model.new_state_pool(self.n_slots)
+        # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
+        # coordinator's coordinator/linear_state.py), by default the slot's own.
+        self.state = self.model.new_state_pool(e.n_state_entries)
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
         if self.model.is_last:
@@ -331,7 +332,7 @@ class StageRunner:
                 params = dict(params)
                 history = params.pop("history", None) or []
                 self.sampler.reset(int(slot), params, list(history))
-        batch = StepBatch.from_slots(slots, self.device)
+        batch = StepBatch.from_slots(slots, self.device, state_entries=header.get("states"))
         x = tokens if self.model.is_first else hidden
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")

@@ -1,9 +1,10 @@
 """A hybrid linear-attention model (tiny Qwen3-Next: layers 0-2 Gated DeltaNet, layer 3 full attention) served by
 `strata up` on two CPU stages (stage 0 holds no full-attention layer, so no pool cells) behind the official
 client, against transformers' greedy tokens on the same checkpoint. The conversation rules of
-coordinator/linear_state.py: a held conversation continued whole reuses its cells and its slot's state; a
-prompt that branches inside it starts cold (a state cannot be rewound); concurrent requests give their solo
-tokens; a restarted stage drops every held conversation."""
+coordinator/linear_state.py: a held conversation continued whole reuses its cells and its state, in its slot or
+parked and brought back (the state entry follows the table); a prompt that branches inside it starts cold (a
+state cannot be rewound); concurrent requests give their solo tokens; a restarted stage drops every held
+conversation. Two slots, three state entries."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -25,7 +26,7 @@ MAX = 10
 def hybrid(tiny_model_factory):
     model = tiny_model_factory("qwen3_next", layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
     root = Path(tempfile.mkdtemp(prefix="sl", dir="/tmp"))
-    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024})
+    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024, "parallel": 2, "state_entries": 3})
     server.start()
     yield server
     server.stop()
@@ -61,6 +62,18 @@ def test_a_whole_continuation_reuses_the_slot_and_a_branch_starts_cold(hybrid):
     assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(PROMPT) + MAX - 1, "length")
     branch = PROMPT[:30] + [11, 12]  # shares 30 tokens, but a state cannot be rewound
     assert complete(hybrid, branch) == (want(hybrid, branch)[1], 0, "length")
+
+
+def test_a_parked_conversation_keeps_its_state_and_continues_exactly(hybrid):
+    a = [30 + k for k in range(25)]
+    ids_a, text_a = want(hybrid, a)
+    assert complete(hybrid, a)[0] == text_a  # slot 0, entry 0
+    for i in range(2):  # two more conversations take both slots: a is parked with its entry
+        other = [120 + 9 * i + k for k in range(20)]
+        assert complete(hybrid, other)[:2] == (want(hybrid, other)[1], 0)
+    assert len(hybrid.live()["kv_pool"]["parked"]) == 1
+    turn = a + ids_a + [5, 6]
+    assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(a) + MAX - 1, "length")
 
 
 def test_concurrent_requests_give_their_solo_tokens(hybrid):

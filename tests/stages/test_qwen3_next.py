@@ -17,14 +17,14 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 from coordinator import config_check
 from pool.config import ConfigError, config_from_dict
-from pool.layer_kinds import state_entry_bytes
+from pool.layer_kinds import LinearGeometry, state_entry_bytes
 from pool.memory import PoolLayout
 from stages.batch import StepBatch
 from stages.checkpoint import CheckpointError, load_checkpoint
 from stages.kv_cache import KVCache
 from stages.linear_attention import chunked_delta_rule, linear_attention, recurrent_step
 from stages.model import StageModel
-from stages.state_pool import UNKNOWN
+from stages.state_pool import UNKNOWN, StatePool
 from stages.tiny import make_tiny_model, tiny_config
 from tests.stages.harness import Local, make_cfg
 from tests.stages.test_model_vs_transformers import (
@@ -348,7 +348,8 @@ def test_tiny_spec_serves_through_the_runners_as_transformers_generates(monkeypa
         assert first == out[0, len(prompt):].tolist()
         assert m.generate(1, prompt, 9) == first  # position 0 again: a fresh state, whatever the entry held
         m.runners[0].reset("another-session")
-        assert m.runners[0].state.tokens == [UNKNOWN] * 4  # a new session's slots continue nothing of the old
+        entries = m.runners[0].cfg.engine.n_state_entries  # 2 x parallel by default
+        assert m.runners[0].state.tokens == [UNKNOWN] * entries  # a new session's entries continue nothing of the old
     finally:
         m.close()
 
@@ -363,6 +364,13 @@ def test_config_check_counts_only_full_attention_layers(tmp_path):
     per_layer = PoolLayout(1, 4, 16, 2, 16, "float32").data_nbytes
     assert [s.pool_bytes for s in report.stages] == [0, 2 * per_layer]  # layers 3 and 7 are full attention
     assert all(s.weight_bytes for s in report.stages)
+    # the state pool: 2 x parallel entries, each what a real StatePool of the stage's linear layers allocates
+    conf = json.loads((d / "config.json").read_text())
+    for s, n_linear in zip(report.stages, (3, 3)):  # 0-2 and 4-6
+        pool = StatePool(4, n_linear, LinearGeometry.from_config(conf), torch.float32, "cpu")
+        assert s.state_entries == 4 and s.state_bytes == sum(t.numel() * t.element_size()
+                                                             for t in (pool.conv, pool.recurrent))
+    assert "linear-attention state 4 entries" in config_check.format_report(report)
 
 
 BAD = {  # changes to a valid tiny qwen3_next config.json -> what the message must name
