@@ -55,8 +55,9 @@ def free_port() -> int:
 
 
 def strata_config(model_dir: str, n_stages: int, n_layers: int, threads: int, port: int, max_context: int,
-                  parallel: int, tag: str) -> dict[str, Any]:
-    """A box config for N CPU stages over the checkpoint's layers, split as evenly as it goes."""
+                  parallel: int, root: Path) -> dict[str, Any]:
+    """A box config for N CPU stages over the checkpoint's layers, split as evenly as it goes; the stage
+    sockets in `root`, a private (0700) directory, as a stage requires of its runtime directory."""
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     chunk = 256
     max_context = -(-max_context // chunk) * chunk
@@ -67,7 +68,7 @@ def strata_config(model_dir: str, n_stages: int, n_layers: int, threads: int, po
                    "chunk_cells": chunk, "threads": max(1, threads // n_stages),
                    "prefill_chunk": min(512, max_context)},
         "stages": [{"device": "cpu", "layers": [bounds[i], bounds[i + 1]],
-                    "endpoint": f"ipc:///tmp/strata-bench-{tag}-{i}"} for i in range(n_stages)],
+                    "endpoint": f"ipc://{root}/s{i}"} for i in range(n_stages)],
     }
 
 
@@ -248,7 +249,7 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
     port = free_port()
     cfg = strata_config(model_dir, n_stages, args.layers, args.threads, port,
                         max_context=args.prompt_tokens + args.output_tokens + 16, parallel=max(args.concurrency),
-                        tag=f"{os.getpid()}-{n_stages}")
+                        root=tmp)
     path = tmp / f"{peer}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with StrataServer(path, port, tmp / f"{peer}.log") as server:

@@ -355,12 +355,15 @@ def test_window_bench_smoke(tmp_path: Path, capfd) -> None:  # noqa: ANN001
 def test_peers_config_splits_layers_and_threads() -> None:
     from coordinator.bench.peers import strata_config
 
-    cfg = strata_config("/m", n_stages=2, n_layers=12, threads=2, port=1234, max_context=300, parallel=4, tag="t")
+    cfg = strata_config("/m", n_stages=2, n_layers=12, threads=2, port=1234, max_context=300, parallel=4,
+                        root=Path("/run/x"))
     assert [s["layers"] for s in cfg["stages"]] == [[0, 6], [6, 12]]
     assert cfg["engine"]["threads"] == 1 and cfg["engine"]["max_context"] == 512  # whole chunks of 256
     assert cfg["engine"]["kv_pool_tokens"] == 4 * 512 and cfg["engine"]["prefill_chunk"] == 512
     assert cfg["coordinator"] == {"host": "127.0.0.1", "port": 1234}
-    three = strata_config("/m", n_stages=3, n_layers=4, threads=4, port=1, max_context=16, parallel=1, tag="t")
+    three = strata_config("/m", n_stages=3, n_layers=4, threads=4, port=1, max_context=16, parallel=1,
+                          root=Path("/run/x"))
+    assert [s["endpoint"] for s in three["stages"]] == ["ipc:///run/x/s0", "ipc:///run/x/s1", "ipc:///run/x/s2"]
     assert [s["layers"] for s in three["stages"]] == [[0, 1], [1, 3], [3, 4]]
     assert three["engine"]["threads"] == 1 and three["engine"]["prefill_chunk"] == 256
     from pool.config import config_from_dict
