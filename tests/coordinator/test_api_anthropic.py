@@ -22,14 +22,8 @@ def stack(tokenizer):
 
 
 @pytest.fixture
-def env(stack):
-    stack.engine.reset()
-    return stack
-
-
-@pytest.fixture
-def client(env) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=env.url, api_key="unused", max_retries=0, timeout=10)
+def client(ant) -> anthropic.Anthropic:
+    return ant
 
 
 def script_text(env, n: int | None = None) -> str:

@@ -21,14 +21,8 @@ def stack(tokenizer):
 
 
 @pytest.fixture
-def env(stack):
-    stack.engine.reset()
-    return stack
-
-
-@pytest.fixture
-def client(env) -> openai.OpenAI:
-    return openai.OpenAI(base_url=env.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+def client(oai) -> openai.OpenAI:
+    return oai
 
 
 def script_text(env, n: int | None = None) -> str:

@@ -28,22 +28,6 @@ def stack(tokenizer):
         yield s
 
 
-@pytest.fixture
-def env(stack):
-    stack.engine.reset()
-    return stack
-
-
-@pytest.fixture
-def oai(env) -> openai.OpenAI:
-    return openai.OpenAI(base_url=env.url + "/v1", api_key="unused", max_retries=0, timeout=10)
-
-
-@pytest.fixture
-def ant(env) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=env.url, api_key="unused", max_retries=0, timeout=10)
-
-
 def prompt_text(env) -> str:
     return env.tokenizer.decode(env.engine.requests[-1].prompt)
 

@@ -256,12 +256,6 @@ def stack(tokenizer):
         yield s
 
 
-@pytest.fixture
-def env(stack):
-    stack.engine.reset()
-    return stack
-
-
 @pytest.fixture(scope="module")
 def client():
     with httpx.Client(timeout=60) as c:
