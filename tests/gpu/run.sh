@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every CUDA check in one go, for the first time a GPU is at hand (each skips on a machine without CUDA):
 # the csrc kernels against their torch reference, pinning the pool file, session files and tensors through a
-# CUDA stage, the device window against the CPU run, and a short 2-stage serve under `strata up`.
+# CUDA stage, the device window against the CPU run, and short 2-stage serves under `strata up` (dense, MoE and
+# Qwen3-Next hybrid linear attention).
 #   bash tests/gpu/run.sh            (from the repository root, in the venv with the CUDA build of torch)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
