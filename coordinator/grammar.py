@@ -32,7 +32,8 @@ Rules:
 5. A reasoning model (`after_reasoning`): the thinking section runs free until its close marker, and the answer
    after it follows `body` (or is free text when `body` is None). A token budget on the section is the
    Matcher's (`Matcher(..., budget=)`, coordinator/thinking_budget.py): at the budget it forces the marker.
-   `opened`: the prompt already opened the section; otherwise the completion may open one at its very start. At most two newlines separate the close marker from the answer.
+   `opened`: the prompt already opened the section; otherwise the completion may open one at its very start.
+   At most two newlines separate the close marker from the answer.
 6. `GrammarTokenizer.for_tokenizer(tok, n_vocab)` wraps the coordinator's tokenizer for llguidance, once per
    (tokenizer, n_vocab) (building it takes ~1 s for a large vocabulary). `n_vocab` is the model's vocabulary
    (its lm_head rows, the last stage's HELLO "vocab"), which may be larger than the tokenizer's: ids past the
@@ -240,7 +241,6 @@ class GrammarTokenizer:
             if n_vocab not in built:
                 built[n_vocab] = cls(tok.backend.to_str(), tok.vocab_size, n_vocab, tok.eos_ids)
             return built[n_vocab]
-
 
     def budget(self, thinking: SectionBudget, tok: "Tokenizer") -> BudgetCounter:
         """A counter of `thinking` over this tokenizer (coordinator/thinking_budget.py)."""

@@ -265,8 +265,7 @@ class Scheduler:
     def _state_entries(self) -> int:
         """The state entries the stages keep (0: a model without linear attention), the cache's map of them
         made on first sight (coordinator/linear_state.py)."""
-        hello = getattr(self.link, "stage_hello", None)
-        n = linear_state.state_entries(hello, len(self.cfg.stages)) if hello is not None else 0
+        n = linear_state.state_entries(self.link.stage_hello, len(self.cfg.stages))
         if n and self.cache.entries is None:
             self.cache.entries = linear_state.StateEntries(n, self.parallel)
         return n
@@ -437,13 +436,13 @@ class Scheduler:
         n_entries = self._state_entries()
         if n_entries:
             lost = list(self.held)  # no state survives a stage's restart (linear_state.py rule 3)
-            self.cache.entries = None  # they start over, below
         else:
             lost = [t for t in self.held if not self.map.intact(t, gens)]
         for table in lost:
             self.cache.release(table)
+        if n_entries:
+            self.cache.entries = linear_state.StateEntries(n_entries, self.parallel)  # they start over
         self.counters["lost"] += len(lost)
-        self._state_entries()
         event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
               reattached=hello.get("pool", {}).get("reattached"))
         pending = self.map.drain_ops()

@@ -37,6 +37,9 @@ class CellLink:
         self.max_in_flight = 0
         self._in_flight = 0
 
+    def stage_hello(self, index: int) -> dict | None:
+        return None  # no stage handshook: no vocabulary for grammars, no linear-attention state
+
     def send_ops(self, ops, stage=None, snapshot=False) -> None:
         for op in ops:
             if op[0] == "exchange":

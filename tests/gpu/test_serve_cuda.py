@@ -38,44 +38,42 @@ def answer(server: Server) -> str:
     return out.choices[0].message.content
 
 
-@pytest.mark.parametrize("device_cells", ["auto", 32], ids=["whole-pool", "two-frames"])
-def test_a_cuda_box_answers_as_the_cpu_box(tiny_model_factory, device_cells):
-    model = tiny_model_factory(**SERVING_MODEL)
-    servers = []
+@pytest.fixture
+def servers():
+    """The boxes a test starts (append them); each checked clean, then stopped and removed, at its end."""
+    made: list[Server] = []
+    yield made
     try:
-        servers.append(box(model, None))
-        want = answer(servers[0])
-        servers.append(box(model, "cuda", device_cells=device_cells))
-        assert answer(servers[1]) == want
-        windows = servers[1].live().get("kv_window", [])
-        assert len(windows) == 2 and all(w["fills"] > 0 for w in windows), windows
-        for s in servers:
+        for s in made:
             s.check_clean()
     finally:
-        for s in servers:
+        for s in made:
             s.stop()
             shutil.rmtree(s.root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("device_cells", ["auto", 32], ids=["whole-pool", "two-frames"])
+def test_a_cuda_box_answers_as_the_cpu_box(tiny_model_factory, servers, device_cells):
+    model = tiny_model_factory(**SERVING_MODEL)
+    servers.append(box(model, None))
+    want = answer(servers[0])
+    servers.append(box(model, "cuda", device_cells=device_cells))
+    assert answer(servers[1]) == want
+    windows = servers[1].live().get("kv_window", [])
+    assert len(windows) == 2 and all(w["fills"] > 0 for w in windows), windows
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
-def test_moe_and_hybrid_models_answer_on_the_gpu_as_on_cpu(tiny_model_factory, arch):
+def test_moe_and_hybrid_models_answer_on_the_gpu_as_on_cpu(tiny_model_factory, servers, arch):
     """The MoE expert matmuls and the Gated DeltaNet layers (torch reference: chunked prefill, recurrent decode,
     the state pool in device memory) on CUDA give the CPU box's greedy answer, a second turn included."""
     model = tiny_model_factory(arch, layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
-    servers = []
-    try:
-        servers.append(box(model, None))
-        servers.append(box(model, "cuda"))
-        first = [answer(s) for s in servers]
-        assert first[1] == first[0]
-        turn = [*MESSAGES, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "And then?"}]
-        again = [s.openai().chat.completions.create(model=s.model, messages=turn, max_tokens=16, temperature=0)
-                 for s in servers]
-        assert again[1].choices[0].message.content == again[0].choices[0].message.content
-        assert again[1].usage.prompt_tokens_details.cached_tokens == again[0].usage.prompt_tokens_details.cached_tokens
-        for s in servers:
-            s.check_clean()
-    finally:
-        for s in servers:
-            s.stop()
-            shutil.rmtree(s.root, ignore_errors=True)
+    servers.append(box(model, None))
+    servers.append(box(model, "cuda"))
+    first = [answer(s) for s in servers]
+    assert first[1] == first[0]
+    turn = [*MESSAGES, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "And then?"}]
+    again = [s.openai().chat.completions.create(model=s.model, messages=turn, max_tokens=16, temperature=0)
+             for s in servers]
+    assert again[1].choices[0].message.content == again[0].choices[0].message.content
+    assert again[1].usage.prompt_tokens_details.cached_tokens == again[0].usage.prompt_tokens_details.cached_tokens
