@@ -31,8 +31,8 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
   without the pool (one full context per slot plus one for a parked conversation).
 
 A `.gguf` model is read from its header (pool/gguf_meta.py: the metadata as config.json, the tensor infos); its
-weights are counted as loaded, every tensor in the compute dtype (quantized ones are dequantized at load), and
-a note names the quantized formats.
+weights are counted as loaded: a quantized weight kept quantized at its packed size (pool/gguf_meta.kept_bytes),
+every other tensor in the compute dtype; a note names the formats kept and those dequantized.
 
 Refused (ConfigError, exit 1): what `pool.config` refuses, a model directory without config.json,
 a model the stages cannot compute (the same rules as `stages.checkpoint.check_computable`, which refuses it
@@ -196,9 +196,9 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
 
 
 def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[str, int, int, bool]]]:
-    """config.json's stand-in and the tensors of a .gguf file (pool/gguf_meta.py), each at its loaded size: the
-    stage dequantizes every quantized tensor and casts every tensor to the compute dtype."""
-    from pool.gguf_meta import GGUFError, GGUFModel
+    """config.json's stand-in and the tensors of a .gguf file (pool/gguf_meta.py), each at its loaded size (a
+    quantized weight kept quantized, the rest in the compute dtype)."""
+    from pool.gguf_meta import PLANE_COUNTS, GGUFError, GGUFModel, kept_bytes
 
     try:
         m = GGUFModel(cfg.model)
@@ -206,12 +206,31 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
         raise ConfigError(f"model: {err}", key="model") from None
     refuse_uncomputable(str(m.path), m.config)
     dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else m.dtype
-    tensors = [(name, t.numel * DTYPE_BYTES[dtype], t.numel, True) for name, t in m.tensors.items()]
+    # Kept quantized for a bfloat16 compute dtype on every device, for float16 / float32 on the CPU only
+    # (stages/quant_linear.py: kernel_dtype_ok); a box that mixes would dequantize on its CUDA stages.
+    keep = dtype == "bfloat16" or all(s.device == "cpu" for s in cfg.stages)
+    size = DTYPE_BYTES[dtype]
+    tensors: list[tuple[str, int, int, bool]] = []
+    kept: dict[str, int] = {}
+    for name, t in m.tensors.items():
+        embedding = name == "model.embed_tokens.weight"
+        packed = kept_bytes(t.type, t.shape, size, embedding) if keep else None
+        if packed is None:
+            tensors.append((name, t.numel * size, t.numel, True))
+            continue
+        kept[t.type] = kept.get(t.type, 0) + 1
+        tensors.append((name, packed, t.numel, False))
+        if embedding and m.config.get("tie_word_embeddings"):  # the last stage multiplies by it: a QuantLinear
+            tensors.append(("lm_head.weight", kept_bytes(t.type, t.shape, size) or 0, t.numel, False))
     quantized = m.quantized_types()
     if quantized:
         kinds = ", ".join(f"{n} tensors as {kind}" for kind, n in sorted(quantized.items()))
-        notes.append(f"model: {m.path.name} stores {kinds}; dequantized at load to {dtype} (none kept quantized), "
-                     "so the weights figures are the dequantized sizes")
+        held = ", ".join(f"{kind} as {PLANE_COUNTS[kind]} int4 plane{'s' * (PLANE_COUNTS[kind] > 1)}"
+                         for kind in sorted(kept)) or "none"
+        rest = sorted(set(quantized) - set(kept))
+        notes.append(f"model: {m.path.name} stores {kinds}; kept quantized: {held}"
+                     + (f"; dequantized at load to {dtype}: {', '.join(rest)}" if rest else "")
+                     + "; the weights figures are the sizes as loaded")
     return m.config, str(m.path), tensors
 
 

@@ -20,8 +20,10 @@ Rules:
 - Tensor names: llama.cpp's `token_embd`, `blk.N.attn_q` ... map to the Hugging Face names (`hf_name`), so the
   stages ask for the same names as from a safetensors checkpoint. A tensor without a counterpart is refused
   (`rope_freqs`, llama3's frequencies as a tensor, among them): loading it silently would serve wrong output.
-- Stored types: FLOAT_TYPES are read as floats; QUANT_TYPES are dequantized at load with
-  `gguf.quants.dequantize` to the compute dtype (none is kept packed yet); other types are refused.
+- Stored types: FLOAT_TYPES are read as floats; QUANT_TYPES are quantized: a 2-D weight in one of
+  PLANE_COUNTS stays quantized as that many int4 planes (stages/quant_linear.py; `kept_bytes` is its size as
+  loaded), any other is dequantized at load with `gguf.quants.dequantize` to the compute dtype; other types are
+  refused.
 - `llama` q/k rows are stored permuted by llama.cpp's converter (pairs interleaved for its rope); the stages
   un-permute them at load (`PERMUTED_ARCHS`). qwen2/qwen3 are stored as in the checkpoint.
 - dtype ("auto"): the embedding's float type; a quantized embedding means bfloat16 (QUANTIZED_AUTO_DTYPE).
@@ -40,7 +42,9 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
 PERMUTED_ARCHS = ("llama",)
 MOE_ARCHS = ("qwen3moe",)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Formats kept quantized -> int4 planes per weight (stages/quant_linear.py's decomposition).
+PLANE_COUNTS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q8_0": 2}
 QUANTIZED_AUTO_DTYPE = "bfloat16"
 FINGERPRINT_SAMPLE_BYTES = 64
 
@@ -61,6 +65,21 @@ _EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_
 _YARN_UNMAPPED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
                   "rope.scaling.yarn_attn_factor")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: bool = False) -> int | None:
+    """Bytes a weight of GGUF type `kind` takes kept quantized (stages/quant_linear.py), None when it is not kept:
+    per plane 4 bits per weight and per 32 weights a scale and a zero in the compute dtype (a QuantLinear), or
+    float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding). A CPU stage pads a
+    packed weight's rows to a multiple of 64 (not counted: a real model's row counts are multiples of 64)."""
+    planes = PLANE_COUNTS.get(kind)
+    if planes is None or len(shape) != 2:
+        return None
+    rows, cols = shape
+    groups = rows * cols // 32
+    if embedding:
+        return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
+    return planes * (rows * cols // 2 + 2 * dtype_bytes * groups)
 
 
 class GGUFError(ValueError):

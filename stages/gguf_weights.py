@@ -7,10 +7,9 @@ named tensors' bytes of the memory-mapped file: a stage reads only its layers.
 
 Each tensor, at load:
 - F32 / F16 / BF16: read as stored (BF16 as its 16-bit words), then cast to the compute dtype;
-- quantized (pool.gguf_meta.QUANT_TYPES): `gguf.quants.dequantize` to float32, then cast. None is kept packed:
-  the one exact torch kernel for a GGUF block format (`_weight_int4pack_mm_for_cpu`, group 32, zero 0, for
-  Q4_0) wants its scales in the activation's dtype, so it is exact only in float32/float16, and wiring it
-  means a packed linear in the model; Q8_0's 32-blocks have no per-channel int8 equivalent;
+- quantized (pool.gguf_meta.QUANT_TYPES), asked for with `keep_quantized` (a 2-D weight whose format has the
+  int4-plane form of stages/quant_linear.py): its `Planes`, exact, for the model to pack (kept quantized);
+- any other quantized tensor: `gguf.quants.dequantize` to float32, then cast;
 - `llama` attn_q / attn_k rows are un-permuted (`unpermute_rope`), undoing llama.cpp's converter;
 - one expert of a stacked MoE tensor (`ffn_*_exps`) is its slice; the stacked tensor is read and dequantized
   once per `tensors()` call, for all the experts asked for.
@@ -25,6 +24,7 @@ import torch
 
 from pool.gguf_meta import FLOAT_TYPES, PERMUTED_ARCHS, GGUFError, GGUFModel, GGUFTensor
 from stages.checkpoint import PROGRESS_MIN_BYTES, CheckpointError, _Progress, check_computable
+from stages.quant_linear import Planes, planes_from_gguf
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,6 +58,11 @@ class GGUFCheckpoint:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def quantized(self) -> bool:
+        """Whether any tensor is stored quantized."""
+        return bool(self.meta.quantized_types())
+
+    @property
     def tie_word_embeddings(self) -> bool:
         return bool(self.config["tie_word_embeddings"])
 
@@ -77,8 +82,9 @@ class GGUFCheckpoint:
         return self.meta.fingerprint()
 
     def tensors(self, names: Iterable[str], device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                label: str | None = None) -> dict[str, torch.Tensor]:
-        """Load only `names` (Hugging Face names), dequantized, in `dtype` (default the checkpoint's) on `device`."""
+                label: str | None = None, keep_quantized: bool = False) -> dict[str, torch.Tensor | Planes]:
+        """Load only `names` (Hugging Face names) in `dtype` (default the checkpoint's) on `device`; with
+        `keep_quantized`, a quantized weight with the int4-plane form comes as its `Planes` (on the CPU)."""
         names = list(dict.fromkeys(names))
         total = self.nbytes(names)  # also refuses a missing name before anything is read
         progress = _Progress(label or str(self.dir), total) if total >= PROGRESS_MIN_BYTES else None
@@ -86,7 +92,8 @@ class GGUFCheckpoint:
         out: dict[str, torch.Tensor] = {}
         stacked: dict[str, torch.Tensor] = {}  # a MoE layer's stacked experts, dequantized once for all of them
         for n in names:
-            out[n] = self._load(n, dtype, stacked).to(device)
+            planes = self._planes(n, stacked) if keep_quantized else None
+            out[n] = planes if planes is not None else self._load(n, dtype, stacked).to(device)
             if progress:
                 progress.add(self._info(n).nbytes)
         if progress:
@@ -105,6 +112,27 @@ class GGUFCheckpoint:
             heads = self.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             t = unpermute_rope(t, heads)
         return t.to(dtype).contiguous()
+
+    def _planes(self, name: str, stacked: dict) -> Planes | None:
+        """The int4 planes of a quantized 2-D weight (one expert's rows of a stacked one), or None."""
+        info = self._info(name)
+        if not info.quantized or len(info.shape) != 2:
+            return None
+        t = self.meta.reader.tensors[self._by_name[info.name]]
+        key = ("planes", info.name)
+        if key not in stacked:  # a stacked tensor is decomposed once for all its experts
+            rows = int(t.n_elements) // info.shape[1]
+            stacked[key] = planes_from_gguf(t.tensor_type.name, t.data, (rows, info.shape[1]))
+        planes = stacked[key]
+        if planes is None:
+            return None
+        if info.expert is not None:
+            n = info.shape[0]
+            planes = planes.rows(slice(info.expert * n, (info.expert + 1) * n))
+        if self.meta.arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            planes = planes.rows(unpermute_rope(torch.arange(info.shape[0]), heads))
+        return planes
 
     def _read(self, gguf_name: str) -> torch.Tensor:
         """A whole stored tensor as floats (dequantized), shaped as gguf shapes it."""

@@ -38,6 +38,10 @@ decodes does not hide):
 q and k are normed and rotated together as one `[T, heads + kv_heads, head_dim]` tensor. Each output element
 is the same dot product (or the same elementwise formula) as with separate calls; the original names stay in
 a layer's dict as row views of the fused tensors (no second copy). Missing biases are zeros in a fused bias.
+A GGUF file's quantized weights stay quantized (stages/quant_linear.py): the layer's dict then holds a
+QuantLinear (or a RowStack, when a fused projection's parts are stored in different formats) where a float
+weight would be, fused before packing and without row views of the parts; `linear(x, w, bias)` multiplies
+either kind, and the embedding is a QuantEmbedding. `keep_quantized=False` dequantizes them at load instead.
 Rotary cos/sin are kept per position in a table grown on demand (except `dynamic` rope, whose frequencies
 depend on the context length).
 """
@@ -54,6 +58,8 @@ from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
 from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
+from stages.quant_linear import (Planes, QuantEmbedding, RowStack, embed, fuse_rows, kernel_dtype_ok, linear, pack,
+                                 weight_bytes)
 from stages.rope import Rope, apply_rope
 from stages.state_pool import StatePool
 from stages.window import StepView
@@ -177,6 +183,7 @@ class StageModel:
         last: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
+        keep_quantized: bool = True,
     ) -> None:
         n = ckpt.num_layers
         if not 0 <= first < last <= n:
@@ -193,8 +200,24 @@ class StageModel:
         self.linear_layers = [linear[:i].count(True) if x else None for i, x in enumerate(linear)]
 
         names = self._tensor_names(ckpt)
-        w = ckpt.tensors(names, self.device, self.dtype, label=f"layers {first}-{last - 1}")
-        self.layers = [self._layer_weights(w, g) for g in range(first, last)]
+        # A GGUF file's quantized weights stay quantized (stages/quant_linear.py), loaded a layer at a time so the
+        # unpacked planes of one layer at most are held beside the packed ones.
+        self.quantized = (keep_quantized and getattr(ckpt, "quantized", False)
+                          and kernel_dtype_ok(self.dtype, self.device))
+        label = f"layers {first}-{last - 1}"
+        if self.quantized:
+            w = {}
+            for g in range(first, last):
+                part = [n for n in names if n.startswith(f"model.layers.{g}.")]
+                w.update(self._pack(self._layer_weights(ckpt.tensors(part, self.device, self.dtype, label=f"layer {g}",
+                                                                     keep_quantized=True), g), prefix=f"{g}."))
+            rest = [n for n in names if not n.startswith("model.layers.")]
+            w.update(ckpt.tensors(rest, self.device, self.dtype, label=label, keep_quantized=True))
+            self.layers = [{k.split(".", 1)[1]: v for k, v in w.items() if k.startswith(f"{g}.")}
+                           for g in range(first, last)]
+        else:
+            w = ckpt.tensors(names, self.device, self.dtype, label=label)
+            self.layers = [self._layer_weights(w, g) for g in range(first, last)]
         self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
         self._rope_sin: torch.Tensor | None = None
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
@@ -204,6 +227,40 @@ class StageModel:
         self.lm_head = None
         if self.is_last:
             self.lm_head = w["model.embed_tokens.weight" if ckpt.tie_word_embeddings else "lm_head.weight"]
+        if isinstance(self.embed, Planes):
+            self.embed = QuantEmbedding(self.embed, self.dtype, self.device)
+        if isinstance(self.lm_head, Planes):
+            self.lm_head = pack(self.lm_head, self.dtype, self.device)
+
+    def _pack(self, layer: dict, prefix: str) -> dict:
+        """A layer's dict with its Planes packed (QuantLinear, lists of them for experts), keys under `prefix`."""
+        def one(v):
+            if isinstance(v, (Planes, RowStack)):
+                return pack(v, self.dtype, self.device)
+            if isinstance(v, list):
+                return [one(x) for x in v]
+            return v
+        return {prefix + k: one(v) for k, v in layer.items()}
+
+    def weight_bytes(self) -> int:
+        """Bytes the stage's weights take as loaded (quantized ones packed; a storage shared by views, as the
+        parts of a fused tensor, once)."""
+        seen: dict[int, int] = {}
+        other = 0
+
+        def add(w: object) -> None:
+            nonlocal other
+            if isinstance(w, torch.Tensor):
+                seen[w.untyped_storage().data_ptr()] = w.untyped_storage().nbytes()
+            elif isinstance(w, (list, tuple)):
+                for x in w:
+                    add(x)
+            elif w is not None:
+                other += weight_bytes(w)
+
+        for w in [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]:
+            add(w)
+        return sum(seen.values()) + other
 
     def _layer_weights(self, w: dict[str, torch.Tensor], g: int) -> dict[str, torch.Tensor]:
         """Global layer g's tensors out of the stage's load, by names relative to the layer, fused."""
@@ -312,7 +369,7 @@ class StageModel:
         if x.shape[0] != batch.num_tokens:
             raise ValueError(f"step has {batch.num_tokens} tokens but the input has {x.shape[0]} rows")
         if self.is_first:
-            h = F.embedding(x.to(self.device, torch.long), self.embed)
+            h = embed(x.to(self.device, torch.long), self.embed)
         else:
             h = x.to(self.device, self.dtype)
         cos, sin = self._cos_sin(batch)
@@ -325,7 +382,7 @@ class StageModel:
         if not self.is_last:
             return h
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
-        return F.linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[T, head_dim]` of the step's positions: rows of the table (built as `Rope.cos_sin` builds
@@ -351,11 +408,11 @@ class StageModel:
         s, n = self.spec, x.shape[0]
         eps, heads, kv_heads, head_dim = s.rms_norm_eps, s.num_heads, s.kv_heads, s.head_dim
         h = rms_norm(x, w["input_layernorm.weight"], eps)
-        linear = self.linear_layers[local]
-        if linear is not None:
-            x = x + linear_attention(h, w, s.linear, batch, state, linear)  # type: ignore[arg-type]
+        entry = self.linear_layers[local]
+        if entry is not None:
+            x = x + linear_attention(h, w, s.linear, batch, state, entry)  # type: ignore[arg-type]
         else:
-            qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
+            qkv = linear(h, w["qkv.weight"], w.get("qkv.bias"))
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:(heads + 2 * kv_heads) * head_dim].view(n, kv_heads, head_dim)
             if "qk_norm.weight" in w:
@@ -370,7 +427,7 @@ class StageModel:
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
         if "experts.gate_up" in w:
             return x + moe_mlp(h, w, s.moe)
-        gate_up = F.linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
+        gate_up = linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
         inter = gate_up.shape[-1] // 2
         mlp = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return x + _linear(mlp, w, "mlp.down_proj")
@@ -387,7 +444,8 @@ def _attend(kv: KVCache | StepView, layer: int, batch: StepBatch, q: torch.Tenso
 
 
 def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+    return linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
 
 
 def _split_gate(w: dict[str, torch.Tensor], spec: ModelSpec) -> None:
@@ -410,9 +468,17 @@ def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor
         if parts[0] + ".weight" not in w:
             continue  # a sparse layer has no dense MLP
         weights = [w[p + ".weight"] for p in parts]
+        bias_like = next((w[p + ".bias"] for p in parts if p + ".bias" in w), None)
+        if bias_like is not None:
+            w[fused + ".bias"] = torch.cat([w.get(p + ".bias", bias_like.new_zeros(t.shape[0]))
+                                            for p, t in zip(parts, weights)])
+        if any(isinstance(t, Planes) for t in weights):  # kept quantized: fused before packing, no row views
+            w[fused + ".weight"] = fuse_rows(weights)
+            for p in parts:
+                w.pop(p + ".weight")
+                w.pop(p + ".bias", None)
+            continue
         w[fused + ".weight"] = torch.cat(weights)
-        if any(p + ".bias" in w for p in parts):
-            w[fused + ".bias"] = torch.cat([w.get(p + ".bias", torch.zeros_like(t[:, 0])) for p, t in zip(parts, weights)])
         at = 0
         for p, t in zip(parts, weights):
             rows = t.shape[0]

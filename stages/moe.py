@@ -25,6 +25,9 @@ Weights, stacked at load from the Hugging Face names (`mlp.experts.{e}.gate_proj
     experts.gate_up  [E, 2 * moe_intermediate, hidden]   rows [0, I) gate_proj of expert e, rows [I, 2I) up_proj
     experts.down     [E, hidden, moe_intermediate]       down_proj of expert e
     shared_expert.gate_up [2 * shared_intermediate, hidden]   (Qwen2-MoE) shared_expert.gate_proj | up_proj
+
+A GGUF model's quantized experts stay quantized (stages/quant_linear.py): `experts.gate_up` and `experts.down`
+are then lists of E packed weights, each expert's gate and up rows fused before packing.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from stages.quant_linear import Planes, fuse_rows, linear
 
 SHARED_EXPERT_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 MOE_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
@@ -88,6 +93,14 @@ def stack_experts(w: dict[str, torch.Tensor], spec: MoESpec) -> dict[str, torch.
     expert's worth.
     """
     first = w["mlp.experts.0.gate_proj.weight"]
+    if isinstance(first, Planes):  # kept quantized (stages/quant_linear.py): a list of per-expert weights
+        w["experts.gate_up"] = [fuse_rows([w.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                                           w.pop(f"mlp.experts.{e}.up_proj.weight")]) for e in range(spec.num_experts)]
+        w["experts.down"] = [w.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(spec.num_experts)]
+        if spec.shared_intermediate_size:
+            p = "mlp.shared_expert."
+            w["shared_expert.gate_up"] = fuse_rows([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
+        return w
     inter, hidden = first.shape
     gate_up = first.new_empty(spec.num_experts, 2 * inter, hidden)
     down = first.new_empty(spec.num_experts, hidden, inter)
@@ -105,7 +118,7 @@ def stack_experts(w: dict[str, torch.Tensor], spec: MoESpec) -> dict[str, torch.
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights `[T, top_k]` in h's dtype, experts int64 `[T, top_k]`) for hidden `h` `[T, hidden]`."""
-    logits = F.linear(h, router)
+    logits = linear(h, router)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -117,24 +130,25 @@ def grouped_experts(h: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
                     down: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]) for every token t, grouped by expert (module docstring).
 
-    h `[T, hidden]`, experts and weights `[T, top_k]`, gate_up `[E, 2I, hidden]`, down `[E, hidden, I]`.
+    h `[T, hidden]`, experts and weights `[T, top_k]`, gate_up `[E, 2I, hidden]`, down `[E, hidden, I]` (or lists of
+    E kept-quantized weights of those shapes).
     """
     n_tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair indices t * top_k + k, grouped by expert
     token = order // top_k
     pair_weights = weights.reshape(-1)[order]
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # the one host read of the block
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()  # the one host read of the block
     x = h.index_select(0, token)
-    inter = gate_up.shape[1] // 2
-    out_rows = torch.empty(x.shape[0], down.shape[1], dtype=h.dtype, device=h.device)
+    inter = gate_up[0].shape[0] // 2
+    out_rows = torch.empty(x.shape[0], down[0].shape[0], dtype=h.dtype, device=h.device)
     at = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = slice(at, at + n)
-        gu = F.linear(x[rows], gate_up[e])
-        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[e])
+        gu = linear(x[rows], gate_up[e])
+        y = linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[e])
         out_rows[rows] = y * pair_weights[rows, None]
         at += n
     return torch.zeros_like(h).index_add_(0, token, out_rows)
@@ -145,8 +159,8 @@ def moe_mlp(h: torch.Tensor, w: dict[str, torch.Tensor], spec: MoESpec) -> torch
     weights, experts = route(h, w["mlp.gate.weight"], spec.top_k, spec.norm_topk_prob)
     out = grouped_experts(h, experts, weights, w["experts.gate_up"], w["experts.down"])
     if spec.shared_intermediate_size:
-        gu = F.linear(h, w["shared_expert.gate_up"])
-        shared = F.linear(F.silu(gu[:, :spec.shared_intermediate_size]) * gu[:, spec.shared_intermediate_size:],
+        gu = linear(h, w["shared_expert.gate_up"])
+        shared = linear(F.silu(gu[:, :spec.shared_intermediate_size]) * gu[:, spec.shared_intermediate_size:],
                           w["mlp.shared_expert.down_proj.weight"])
-        out = out + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"])) * shared
+        out = out + torch.sigmoid(linear(h, w["mlp.shared_expert_gate.weight"])) * shared
     return out

@@ -117,14 +117,33 @@ def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> Non
         (want.model.arch, 4, want.model.kv_heads, want.model.head_dim, "float32")
     assert [s.weight_bytes for s in got.stages] == [s.weight_bytes for s in want.stages]
     assert [s.pool_bytes for s in got.stages] == [s.pool_bytes for s in want.stages]
-    # Quantized: counted dequantized, in engine.dtype when set, else in the auto dtype (bfloat16: half).
+    # Quantized, kept quantized on CPU stages in any dtype: the figures are the stages' own weight bytes as loaded.
     q32 = check(config_from_dict(_box(q8, [(0, 2), (2, 4)], dtype="float32")))
-    assert [s.weight_bytes for s in q32.stages] == [s.weight_bytes for s in want.stages]
-    assert any("30 tensors as Q8_0" in n and "dequantized at load to float32" in n for n in q32.notes)
+    assert any("30 tensors as Q8_0" in n and "kept quantized: Q8_0 as 2 int4 planes" in n for n in q32.notes)
     auto = check(config_from_dict(_box(q8, [(0, 2), (2, 4)])))
-    assert [s.weight_bytes for s in auto.stages] == [s.weight_bytes // 2 for s in want.stages]
     assert auto.kv_dtype == "bfloat16"
+    # a CUDA stage keeps them only in bfloat16: float32 on a box with one counts them dequantized
+    cuda = _box(q8, [(0, 2), (2, 4)], dtype="float32")
+    cuda["stages"][1]["device"] = "cuda:0"
+    assert [s.weight_bytes for s in check(config_from_dict(cuda)).stages] == [s.weight_bytes for s in want.stages]
     assert "weights from GGUF header" in format_report(auto)
+
+
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False)])
+def test_config_check_weights_are_the_loaded_stages(tiny_model_factory, tmp_path, qtype: str, tied: bool) -> None:
+    """The oracle is the stage itself: StageModel.weight_bytes() of each stage's layers, kept quantized, in
+    float32 and bfloat16 (every row count a multiple of the CPU packer's 64-row block)."""
+    from stages.checkpoint import load_checkpoint
+    from stages.model import StageModel
+
+    hf = tiny_model_factory("llama", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=640,
+                            tie_embeddings=tied)
+    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
+    ckpt = load_checkpoint(path)
+    for dtype in ("float32", "bfloat16"):
+        report = check(config_from_dict(_box(path, [(0, 2), (2, 4)], dtype=dtype)))
+        loaded = [StageModel(ckpt, a, b, "cpu", dtype).weight_bytes() for a, b in ((0, 2), (2, 4))]
+        assert [s.weight_bytes for s in report.stages] == loaded, dtype
 
 
 def test_config_check_figures_of_a_moe_gguf(tiny_model_factory, tmp_path) -> None:
@@ -133,8 +152,11 @@ def test_config_check_figures_of_a_moe_gguf(tiny_model_factory, tmp_path) -> Non
     want = check(config_from_dict(_box(hf, [(0, 1), (1, 2)])))
     got = check(config_from_dict(_box(q8, [(0, 1), (1, 2)], dtype="float32")))
     assert got.model.arch == "Qwen3MoeForCausalLM"
-    assert [s.weight_bytes for s in got.stages] == [s.weight_bytes for s in want.stages]
-    assert any("as Q8_0" in n for n in got.notes)
+    assert all(g.weight_bytes < 0.5 * w.weight_bytes for g, w in zip(got.stages, want.stages))  # kept quantized
+    assert any("kept quantized: Q8_0" in n for n in got.notes)
+    cuda = _box(q8, [(0, 1), (1, 2)], dtype="float32")  # float32 on CUDA: dequantized, the float sizes
+    cuda["stages"][0]["device"] = "cuda:0"
+    assert [s.weight_bytes for s in check(config_from_dict(cuda)).stages] == [s.weight_bytes for s in want.stages]
     # per layer q, k, v, o, the router and 3 stacked experts; the embedding and lm_head
     assert GGUFModel(q8).quantized_types() == {"Q8_0": 2 * 8 + 2}
 

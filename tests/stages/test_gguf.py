@@ -18,6 +18,7 @@ from stages.checkpoint import CheckpointError, load_checkpoint
 from stages.gguf_weights import GGUFCheckpoint, permute_rope, unpermute_rope
 from stages.kv_cache import KVCache
 from stages.model import StageModel
+from stages.quant_linear import QuantEmbedding, QuantLinear
 from tests.stages.gguf_files import write_dequantized_checkpoint, write_gguf
 from tests.stages.harness import Local, make_cfg
 
@@ -26,6 +27,7 @@ gguf = pytest.importorskip("gguf")
 CHUNK, N_CHUNKS, TABLE_CHUNKS = 16, 8, 4
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 120, 6, 33, 2, 9, 64, 18, 200, 11, 300, 1, 47]
 SHAPE = dict(layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
+SHAPE_K = dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, seed=5)  # rows of whole 256-blocks
 
 
 @pytest.fixture(scope="module")
@@ -34,26 +36,29 @@ def files(tiny_model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     built: dict = {}
 
-    def get(arch: str, qtype: str = "F32") -> tuple[Path, Path]:
-        if (arch, qtype) not in built:
-            hf = tiny_model_factory(arch, **SHAPE)
-            path = write_gguf(hf, root / f"{arch}-{qtype}.gguf", qtype)
+    def get(arch: str, qtype: str = "F32", shape: dict | None = None) -> tuple[Path, Path]:
+        shape = shape or (SHAPE_K if qtype.endswith("_K") else SHAPE)
+        key = (arch, qtype, shape["hidden"])
+        if key not in built:
+            hf = tiny_model_factory(arch, **shape)
+            path = write_gguf(hf, root / f"{arch}-{qtype}-{shape['hidden']}.gguf", qtype)
             if qtype != "F32":
-                hf = write_dequantized_checkpoint(hf, qtype, root / f"{arch}-{qtype}-dequantized")
-            built[arch, qtype] = (path, hf)
-        return built[arch, qtype]
+                hf = write_dequantized_checkpoint(hf, qtype, root / f"{arch}-{qtype}-{shape['hidden']}-dequantized")
+            built[key] = (path, hf)
+        return built[key]
 
     return get
 
 
-def stage_logits(model_path: Path, splits: list[int], ids: list[int] = PROMPT) -> torch.Tensor:
-    """Every position's logits of one prefill through stages [0, s0), [s0, s1), ... in float32."""
+def stage_logits(model_path: Path, splits: list[int], ids: list[int] = PROMPT, dtype: torch.dtype = torch.float32,
+                 keep_quantized: bool = True) -> torch.Tensor:
+    """Every position's logits of one prefill through stages [0, s0), [s0, s1), ... (float32 logits)."""
     ckpt = load_checkpoint(model_path)
     bounds = [0, *splits, ckpt.num_layers]
     batch = StepBatch.from_slots([[0, 0, len(ids), 1]])
     x = torch.tensor(ids, dtype=torch.int32)
     for a, b in zip(bounds, bounds[1:]):
-        m = StageModel(ckpt, a, b, "cpu", torch.float32)
+        m = StageModel(ckpt, a, b, "cpu", dtype, keep_quantized=keep_quantized)
         kv = KVCache(m.num_local_layers, N_CHUNKS, CHUNK, m.kv_heads, m.head_dim, "float32", "cpu", 1, TABLE_CHUNKS)
         kv.set_table(0, [3, 1, 6, 0])
         x = m.forward(batch, kv, x, logits_all=True)
@@ -107,11 +112,50 @@ def test_gguf_config_is_the_checkpoint_config(files) -> None:
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("llama", "Q8_0"), ("llama", "Q4_0"),
-                                        ("qwen2", "Q4_0"), ("qwen3", "F16"), ("llama", "BF16")])
+                                        ("qwen2", "Q4_0"), ("qwen3", "Q4_K"), ("llama", "Q4_K"), ("qwen3", "F16"),
+                                        ("llama", "BF16")])
 def test_quantized_gguf_matches_transformers_on_dequantized_weights(files, arch: str, qtype: str) -> None:
     path, hf = files(arch, qtype)
     assert {t.type for t in load_checkpoint(path).meta.tensors.values()} == {"F32", qtype}
     torch.testing.assert_close(stage_logits(path, []), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(48)]  # past KERNEL_MAX_ROWS: the dequantize + GEMM path
+
+
+@pytest.mark.parametrize("arch,qtype,ratio", [("qwen3", "Q4_K", 0.36), ("llama", "Q4_0", 0.36), ("qwen3", "Q8_0", 0.70),
+                                              ("qwen3_moe", "Q4_0", 0.36)])
+def test_quantized_weights_stay_quantized_in_bfloat16(files, arch: str, qtype: str, ratio: float) -> None:
+    """Kept quantized: every projection a QuantLinear, the embedding a QuantEmbedding, the stage's weight bytes a
+    fraction of the same model dequantized to bfloat16; logits as close to the float32 dequantized model as the
+    bfloat16 dequantized model's are (measured: top-1 0.85-1.0, mean |diff| 0.96-1.41x; thresholds 0.8, 1.6x)."""
+    path, _ = files(arch, qtype, SHAPE_K)
+    ckpt = load_checkpoint(path)
+    kept = StageModel(ckpt, 0, ckpt.num_layers, "cpu", torch.bfloat16)
+    plain = StageModel(ckpt, 0, ckpt.num_layers, "cpu", torch.bfloat16, keep_quantized=False)
+    layer = kept.layers[0]
+    projections = ["qkv.weight", "self_attn.o_proj.weight"]
+    projections += ["experts.gate_up", "experts.down"] if "experts.gate_up" in layer else ["gate_up.weight",
+                                                                                          "mlp.down_proj.weight"]
+    for name in projections:
+        w = layer[name]
+        assert all(isinstance(x, QuantLinear) for x in (w if isinstance(w, list) else [w])), name
+    assert isinstance(kept.embed, QuantEmbedding) and isinstance(kept.lm_head, QuantLinear)
+    assert kept.weight_bytes() <= ratio * plain.weight_bytes()
+    for ids in (PROMPT, LONG_PROMPT):
+        ref = stage_logits(path, [], ids, keep_quantized=False)
+        ours = stage_logits(path, [], ids, torch.bfloat16)
+        bf16 = stage_logits(path, [], ids, torch.bfloat16, keep_quantized=False)
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+        assert (ours - ref).abs().mean() <= 1.6 * (bf16 - ref).abs().mean()
+
+
+def test_float32_keeps_quantized_and_matches_dequantized(files) -> None:
+    """float32 takes the dequantize + GEMM path: the dequantized model's logits, on both sides of the kernel limit."""
+    path, _ = files("llama", "Q4_K")
+    for ids in (PROMPT, LONG_PROMPT):
+        torch.testing.assert_close(stage_logits(path, [1], ids), stage_logits(path, [], ids, keep_quantized=False),
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
@@ -127,13 +171,20 @@ def test_split_reads_only_its_tensors_and_agrees(files, monkeypatch) -> None:
     path, _ = files("llama", "Q8_0")
     whole = stage_logits(path, [])
     read: list[str] = []
-    original = GGUFCheckpoint._load
+    load, planes = GGUFCheckpoint._load, GGUFCheckpoint._planes
 
-    def spy(self, name, dtype, stacked):
+    def spy_load(self, name, dtype, stacked):
         read.append(name)
-        return original(self, name, dtype, stacked)
+        return load(self, name, dtype, stacked)
 
-    monkeypatch.setattr(GGUFCheckpoint, "_load", spy)
+    def spy_planes(self, name, stacked):
+        got = planes(self, name, stacked)
+        if got is not None:  # kept quantized; otherwise _load reads it
+            read.append(name)
+        return got
+
+    monkeypatch.setattr(GGUFCheckpoint, "_load", spy_load)
+    monkeypatch.setattr(GGUFCheckpoint, "_planes", spy_planes)
     ckpt = load_checkpoint(path)
     for (a, b), extra in (((0, 2), {"model.embed_tokens.weight"}), ((2, 4), {"model.norm.weight", "lm_head.weight"})):
         read.clear()

@@ -1,0 +1,121 @@
+"""Kept-quantized weights (stages/quant_linear.py) against the gguf package's own dequantization.
+
+Oracles: `gguf.quants.dequantize` of the same blocks (the planes must be exactly it), and F.linear on those
+dequantized weights (float32: to float32 rounding on both CPU paths; bfloat16: within the bfloat16 rounding of
+activations and scales, far below the format's 4-bit step). Both CPU paths run: the int4 kernel (at most
+KERNEL_MAX_ROWS rows, bfloat16) and dequantize + GEMM.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.quant_linear import (KERNEL_MAX_ROWS, PLANE_FORMATS, QuantEmbedding, QuantLinear, RowStack,
+                                 cpu_layout_ok, fuse_rows, linear, pack, planes_from_gguf)
+
+gguf = pytest.importorskip("gguf")
+N, K = 96, 512  # 96 rows: not a multiple of the CPU packer's 64-row block
+
+
+def blocks(kind: str, n: int = N, k: int = K, seed: int = 0) -> np.ndarray:
+    """A [n, k] tensor's raw blocks: gguf's quantizer where it has one, else random bytes with sane f16 scales."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[kind]
+    if not kind.endswith("_K"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    return raw.reshape(n, -1)
+
+
+def dequantized(kind: str, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(N, K)
+
+
+def test_packer_layout_is_the_one_read_back() -> None:
+    assert cpu_layout_ok()
+
+
+@pytest.mark.parametrize("kind", PLANE_FORMATS)
+def test_planes_are_gguf_dequantization(kind: str) -> None:
+    raw = blocks(kind)
+    planes = planes_from_gguf(kind, raw, (N, K))
+    assert planes is not None and len(planes.values) == (1 if kind.startswith("Q4") else 2)
+    assert all(int(v.max()) <= 15 for v in planes.values)
+    torch.testing.assert_close(planes.dequantize(), dequantized(kind, raw), atol=0, rtol=1e-6)
+
+
+def test_formats_without_planes_are_none() -> None:
+    assert planes_from_gguf("Q6_K", blocks("Q6_K"), (N, K)) is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 80])
+def test_quant_linear_matches_dequantized_weights(kind: str, rows: int) -> None:
+    raw = blocks(kind)
+    w = dequantized(kind, raw)
+    planes = planes_from_gguf(kind, raw, (N, K))
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    q32 = pack(planes, torch.float32, "cpu")
+    assert isinstance(q32, QuantLinear)
+    torch.testing.assert_close(q32(x, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    qb = pack(planes, torch.bfloat16, "cpu")
+    xb = x.bfloat16()
+    ref = F.linear(xb.float(), w)
+    got = qb(xb).float()
+    assert got.dtype == torch.float32 and got.shape == (rows, N)
+    # bfloat16 scales (2^-9 relative) and bfloat16 output rounding; a wrong layout is off by ~100 %
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_kernel_and_gemm_paths_agree_in_bfloat16() -> None:
+    raw = blocks("Q4_K")
+    qb = pack(planes_from_gguf("Q4_K", raw, (N, K)), torch.bfloat16, "cpu")
+    x = torch.randn(KERNEL_MAX_ROWS + 1, K).bfloat16()
+    gemm = qb(x)  # one row past the kernel's limit: dequantize + F.linear
+    kernel = torch.cat([qb(x[:KERNEL_MAX_ROWS]), qb(x[KERNEL_MAX_ROWS:])])
+    assert (gemm.float() - kernel.float()).abs().max() <= 0.02 * gemm.float().abs().max()
+
+
+def test_memory_of_one_and_two_plane_formats() -> None:
+    n, k = 128, 512
+    one = pack(planes_from_gguf("Q4_0", blocks("Q4_0", n, k), (n, k)), torch.bfloat16, "cpu")
+    two = pack(planes_from_gguf("Q8_0", blocks("Q8_0", n, k), (n, k)), torch.bfloat16, "cpu")
+    bf16 = n * k * 2
+    assert one.nbytes == n * k // 2 + (k // 32) * n * 2 * 2  # nibbles + a bf16 scale and zero per 32
+    assert one.nbytes / bf16 == pytest.approx(0.3125)
+    assert two.nbytes == 2 * one.nbytes
+
+
+def test_fused_rows_of_mixed_formats() -> None:
+    """q and k in Q4_K, v stored as floats (a Q6_K tensor is dequantized at load): one RowStack."""
+    q = planes_from_gguf("Q4_K", blocks("Q4_K", seed=1), (N, K))
+    k = planes_from_gguf("Q4_K", blocks("Q4_K", seed=2), (N, K))
+    v = torch.randn(32, K)
+    fused = fuse_rows([q, k, v])
+    assert isinstance(fused, RowStack) and fused.shape == (2 * N + 32, K)
+    packed = pack(fused, torch.float32, "cpu")
+    assert isinstance(packed.parts[0], QuantLinear) and packed.parts[0].shape == (2 * N, K)
+    x = torch.randn(5, K)
+    want = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v]))
+    torch.testing.assert_close(linear(x, packed), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_embedding_lookup_is_exact(kind: str) -> None:
+    raw = blocks(kind)
+    table = QuantEmbedding(planes_from_gguf(kind, raw, (N, K)), torch.float32, "cpu")
+    ids = torch.tensor([5, 0, 95, 5, 40])
+    torch.testing.assert_close(table.lookup(ids), dequantized(kind, raw)[ids], atol=0, rtol=1e-6)
+    assert table.nbytes < N * K * 2
+
+
+def test_row_permutation_before_packing() -> None:
+    raw = blocks("Q5_K")
+    planes = planes_from_gguf("Q5_K", raw, (N, K))
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(planes.rows(order).dequantize(), dequantized("Q5_K", raw)[order], atol=0, rtol=0)
