@@ -57,7 +57,8 @@ from typing import Any
 
 import yaml
 
-from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, rotary_problem, uncomputable  # noqa: F401
+from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES,  # noqa: F401
+                             fp8_blocks, rotary_problem, uncomputable)
 from pool.layer_kinds import FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
@@ -189,7 +190,9 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
         refuse(partial)
     if rope_type in ("linear", "dynamic", "llama3") and rope.get("factor") is None:
         refuse(f"rope_type {rope_type!r} needs a 'factor'")
-    odd = sorted(n for n, dt in (stored or {}).items() if dt not in LOADABLE_ST and n.startswith(("model.", "lm_head.")))
+    scaled = fp8_blocks(conf) is not None  # block-scaled FP8: F8_E4M3 weights beside their scales are computed
+    odd = sorted(n for n, dt in (stored or {}).items() if dt not in LOADABLE_ST and n.startswith(("model.", "lm_head."))
+                 and not (scaled and dt == FP8_ST_DTYPE and f"{n}_scale_inv" in (stored or {})))
     if odd:
         dtype = stored[odd[0]]  # type: ignore[index]
         refuse(f"tensor {odd[0]} is stored as {dtype}; the stages read only {', '.join(LOADABLE_ST)} weights")
@@ -232,6 +235,20 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
                      + (f"; dequantized at load to {dtype}: {', '.join(rest)}" if rest else "")
                      + "; the weights figures are the sizes as loaded")
     return m.config, str(m.path), tensors
+
+
+def _fp8_as_loaded(tensors: list[tuple[str, int, int, bool]], stored: dict[str, str], conf: dict,
+                   notes: list[str]) -> list[tuple[str, int, int, bool]]:
+    """A block-scaled FP8 checkpoint's tensors at their loaded size: each F8_E4M3 weight dequantized with its
+    `*_scale_inv` into the model dtype (stages/checkpoint.py), the scales not kept."""
+    size = DTYPE_BYTES.get(str(conf.get("dtype") or conf.get("torch_dtype") or "bfloat16"), 2)
+    fp8 = {n for n, dt in stored.items() if dt == FP8_ST_DTYPE and f"{n}_scale_inv" in stored}
+    out = [(n, numel * size if n in fp8 else b, numel, True if n in fp8 else f) for n, b, numel, f in tensors
+           if not (n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in fp8)]
+    rows, cols = fp8_blocks(conf)  # type: ignore[misc]
+    notes.append(f"model: {len(fp8)} weights are block-scaled FP8 ({rows}x{cols} blocks); dequantized at load to "
+                 "the compute dtype (no FP8 matmul on this path), so the weights figures are the dequantized sizes")
+    return out
 
 
 def _model_info(source: str, conf: dict, weights_from: str) -> ModelInfo:
@@ -382,6 +399,8 @@ def check(cfg: Config) -> Report:
                 stored[name] = t["dtype"]
         refuse_uncomputable(str(model_dir / "config.json"), conf, stored)
         weights_from = "safetensors headers" if tensors else "config.json geometry"
+        if fp8_blocks(conf) is not None:
+            tensors = _fp8_as_loaded(tensors, stored, conf, notes)
     info = _model_info(source, conf, weights_from)
     cfg.check_layers(info.num_layers)
     max_pos = conf.get("max_position_embeddings")

@@ -116,7 +116,8 @@ class StageLink:
         for p in self._peers:
             h = p.hello or {}
             info = {"index": p.index, "endpoint": p.endpoint, "state": p.state, "up": p.state == "up",
-                    "layers": h.get("layers"), "device": h.get("device"), "pid": h.get("pid"), **p.pong}
+                    "layers": h.get("layers"), "device": h.get("device"), "pid": h.get("pid"),
+                    "weight_bytes": h.get("weight_bytes"), **p.pong}
             if p.state != "up":
                 info["reason"] = p.reason
             out.append(info)

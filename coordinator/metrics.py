@@ -24,7 +24,8 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   strata:kv_window_streamed_total, strata:kv_window_h2d_bytes_total, strata:kv_window_d2h_bytes_total
   (none when no stage has a window; a stage's values are those of its last heartbeat answer),
   and per stage strata:stage_steps_total, strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
-  (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble).
+  (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble), and the
+  gauge strata:stage_weight_bytes (its weights as loaded, from its HELLO).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
 (`slot="parked:<table>"`).
 """
@@ -256,6 +257,12 @@ def _stage_series(stages: list[dict]) -> Iterator[Metric]:
         for entry in stages:
             fam.add_metric([str(entry["stage"])], entry.get(key, 0))
         yield fam
+    weights = GaugeMetricFamily("strata:stage_weight_bytes", "Bytes of the stage's weights as loaded (quantized "
+                                "GGUF weights at their packed size).", labels=["stage"])
+    for entry in stages:
+        if entry.get("weight_bytes") is not None:
+            weights.add_metric([str(entry["stage"])], entry["weight_bytes"])
+    yield weights
 
 
 def _window_series(stages: list[dict]) -> Iterator[Metric]:

@@ -47,7 +47,8 @@ def stage_time(sched: Scheduler) -> list[dict]:
     """Per stage, as of its last PONG: steps run, seconds computing steps (busy_s) and seconds a step waited for
     the previous stage's hidden states (hidden_wait_s); a stage that has not answered a PING has no entry."""
     return [{"stage": s["index"], "steps_run": s["steps_run"], "busy_s": s.get("busy_s", 0.0),
-             "hidden_wait_s": s.get("hidden_wait_s", 0.0)} for s in sched.link.stage_info() if "steps_run" in s]
+             "hidden_wait_s": s.get("hidden_wait_s", 0.0), "weight_bytes": s.get("weight_bytes")}
+            for s in sched.link.stage_info() if "steps_run" in s]
 
 def kv_window(sched: Scheduler) -> list[dict]:
     """Per stage with a device window, as of its last PONG: {"stage": i, frames, cells, ..., counters}.

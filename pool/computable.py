@@ -3,7 +3,9 @@ stages/rope.py) and for `strata config check`, which refuses it before anything 
 config_check.py; the coordinator does not import the stage package). No torch here.
 
 `uncomputable(config)` names the first of: an architecture outside SUPPORTED_ARCHS, a `hidden_act` outside
-SUPPORTED_ACTS, any `quantization_config` (FP8 blocks, GPTQ, AWQ, ...: the stages compute plain float weights),
+SUPPORTED_ACTS, a `quantization_config` other than block-scaled FP8 (`fp8_blocks`: quant_method fp8, fmt e4m3,
+a 2-int weight_block_size; its `*.weight` stored F8_E4M3 beside a float32 `*.weight_scale_inv` of one scale
+per block, dequantized at load as `w * scale` per block; GPTQ, AWQ, bitsandbytes, ... are refused by name),
 a layer kind or linear-attention geometry the stages do not compute (pool/layer_kinds.py); None when none
 applies. The rope is checked by each side as it reads it; a partial rotary factor only for the architectures of
 PARTIAL_ROTARY_ARCHS (which rotate the first `head_dim * factor` dims of each head; the others rotate all).
@@ -21,6 +23,19 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Stored dtypes a float tensor may be cast from; anything else (F8_E4M3 with its block scales, I8, ...) would be
 # read as plain numbers without the scheme that gives them meaning.
 FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
+FP8_ST_DTYPE = "F8_E4M3"  # a block-scaled FP8 checkpoint's weights (fp8_blocks)
+
+
+def fp8_blocks(config: dict) -> tuple[int, int] | None:
+    """(rows, cols) of a block-scaled FP8 checkpoint's scale blocks (DeepSeek / Qwen FP8 releases), else None."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return None
+    block = quant.get("weight_block_size")
+    if quant.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2
+                                                    and all(isinstance(b, int) and b > 0 for b in block)):
+        return None
+    return block[0], block[1]
 
 
 def uncomputable(config: dict) -> str | None:
@@ -32,10 +47,10 @@ def uncomputable(config: dict) -> str | None:
     if act not in SUPPORTED_ACTS:
         return f"hidden_act {act!r} is not computed by the stages (only {', '.join(SUPPORTED_ACTS)})"
     quant = config.get("quantization_config")
-    if quant is not None:
+    if quant is not None and fp8_blocks(config) is None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        return (f"quantization_config quant_method={method} is not computed by the stages; use an unquantized "
-                "(float32/bfloat16/float16) checkpoint")
+        return (f"quantization_config quant_method={method} is not computed by the stages (computed: block-scaled "
+                "fp8 with fmt e4m3 and a weight_block_size; GGUF files); use that or an unquantized checkpoint")
     return linear_problem(config)
 
 

@@ -5,6 +5,7 @@ processes and serves the same checkpoint with Strata over HTTP itself.
     python -m stages.bench_peers build  --dir D [geometry]       -> {"model_dir", "params", "vocab"}
     python -m stages.bench_peers hf     --model-dir D [sizes]    -> {"rows": [...], "greedy_ids": [...]}
     python -m stages.bench_peers llamacpp --model-dir D [sizes]  -> {"rows": [...]} or {"skipped": reason}
+    python -m stages.bench_peers export --model-dir D --gguf F --quant Q8_0|Q4_0|Q4_K|...  -> {"gguf": F}
 
 Every peer gets the same thread budget (`--threads`: torch.set_num_threads / llama.cpp n_threads and
 n_threads_batch) and the same prompts (`--prompts FILE`, random ids from the tokenizer's ordinary tokens, made
@@ -102,10 +103,13 @@ def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export_gguf(model_dir: str, out: Path) -> Path:
-    """Write the checkpoint as an f32 GGUF with the `gguf` package: the config as llama.cpp keys, the
-    byte-level BPE tokenizer (vocab padded to vocab_size), every tensor under llama.cpp's name."""
+def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
+    """Write the checkpoint as a GGUF with the `gguf` package: the config as llama.cpp keys, the byte-level BPE
+    tokenizer (vocab padded to vocab_size), every tensor under llama.cpp's name; with `qtype` other than F32,
+    every 2-D weight whose rows split into whole blocks stored in it (stages/gguf_quantize.py)."""
     import gguf
+
+    from stages.gguf_quantize import quantize
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -127,7 +131,8 @@ def export_gguf(model_dir: str, out: Path) -> Path:
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_S"}.get(qtype, f"MOSTLY_{qtype}")
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
     by_id = {i: t for t, i in tok["model"]["vocab"].items()}
     special = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
@@ -157,7 +162,12 @@ def export_gguf(model_dir: str, out: Path) -> Path:
         t = t.float()
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute_rope(t, heads if "q_proj" in name else kv_heads)
-        w.add_tensor(target, t.contiguous().numpy())
+        a = t.contiguous().numpy()
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0] if qtype != "F32" else 0
+        if block and a.ndim == 2 and name.endswith(".weight") and a.shape[1] % block == 0:
+            w.add_tensor(target, quantize(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(target, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -177,7 +187,7 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "the gguf package (the GGUF writer) is not installed"}
     gguf_path = Path(args.gguf or Path(args.model_dir) / "model-f32.gguf")
     if not gguf_path.exists():
-        export_gguf(args.model_dir, gguf_path)
+        export_gguf(args.model_dir, gguf_path, args.quant)
     rows: list[dict[str, Any]] = []
     greedy: list[int] = []
     all_prompts = load_prompts(args.prompts)
@@ -209,16 +219,22 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         del llm
     return {"rows": rows, "greedy_ids": greedy, "version": getattr(llama_cpp, "__version__", "?"),
             "note": "llama.cpp (llama-cpp-python) runs the b sequences one after another (its Python API is "
-                    "single-sequence); f32 GGUF"}
+                    f"single-sequence); GGUF {gguf_path.name}"}
+
+
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    export_gguf(args.model_dir, Path(args.gguf), args.quant)
+    return {"gguf": args.gguf}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m stages.bench_peers")
-    p.add_argument("cmd", choices=["build", "hf", "llamacpp"])
+    p.add_argument("cmd", choices=["build", "hf", "llamacpp", "export"])
     p.add_argument("--json", default=None)
     p.add_argument("--dir", default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--gguf", default=None)
+    p.add_argument("--quant", default="F32", help="export: the GGUF type of the 2-D weights")
     p.add_argument("--arch", default="qwen3")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
@@ -238,7 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = {"build": cmd_build, "hf": cmd_hf, "llamacpp": cmd_llamacpp}[args.cmd](args)
+    result = {"build": cmd_build, "hf": cmd_hf, "llamacpp": cmd_llamacpp, "export": cmd_export}[args.cmd](args)
     write_result(result, args.json)
     return 0
 

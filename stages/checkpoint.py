@@ -11,9 +11,14 @@ checkpoints of the same shape differ, and reading it costs one small read per te
 
 Refused at load, with a message naming what (`check_computable`), because the stages would otherwise serve
 wrong output without a word: an architecture outside `SUPPORTED_ARCHS`, a `hidden_act` other than silu, a
-rope the stages do not compute (stages/rope.py), and any `quantization_config` (FP8 blocks, GPTQ, AWQ, ...:
-the stages compute only plain float weights). A tensor stored in a dtype the stages do not cast from (FP8,
-integers) is refused when it is loaded. `strata config check` refuses the same configs before anything starts.
+rope the stages do not compute (stages/rope.py), and any `quantization_config` but block-scaled FP8 (GPTQ,
+AWQ, ...). A tensor stored in a dtype the stages do not cast from (FP8 without its scales, integers) is refused
+when it is loaded. `strata config check` refuses the same configs before anything starts.
+
+Block-scaled FP8 (pool/computable.fp8_blocks; DeepSeek-V3 / Qwen3 FP8 releases): a `*.weight` stored F8_E4M3
+beside its float32 `*.weight_scale_inv` `[ceil(N / bn), ceil(K / bk)]` is the weight `w[i, j] * scale[i // bn,
+j // bk]` (`dequantize_fp8`), dequantized when it is loaded, in float32, then cast to the compute dtype: there
+is no FP8 matmul on this path, so the stage holds it at the compute dtype's size (config check says so).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-from pool.computable import FLOAT_ST_DTYPES, SUPPORTED_ACTS, SUPPORTED_ARCHS, uncomputable  # noqa: F401
+from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, SUPPORTED_ACTS, SUPPORTED_ARCHS,  # noqa: F401
+                             fp8_blocks, uncomputable)
 from stages.rope import RopeError, rope_parameters
 
 SINGLE_FILE = "model.safetensors"
@@ -152,9 +158,11 @@ class Checkpoint:
         "loading layers 0-13: 1.2/7.4 GiB".
         """
         names = list(dict.fromkeys(names))
+        blocks = fp8_blocks(self.config)
+        fp8 = {n for n in names if blocks and self._info(n).dtype == FP8_ST_DTYPE and f"{n}_scale_inv" in self.infos}
         for n in names:
             info = self._info(n)
-            if dtype is not None and info.dtype not in FLOAT_ST_DTYPES:
+            if dtype is not None and info.dtype not in FLOAT_ST_DTYPES and n not in fp8:
                 raise CheckpointError(f"tensor '{n}' of checkpoint {self.dir} is stored as {info.dtype}; the stages "
                                       f"read only {', '.join(FLOAT_ST_DTYPES)} weights")
         total = self.nbytes(names)
@@ -167,11 +175,16 @@ class Checkpoint:
             with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
                 for n in file_names:
                     t = f.get_tensor(n)
-                    out[n] = t if dtype is None else t.to(dtype)
+                    out[n] = t if dtype is None or n in fp8 else t.to(dtype)
                     if progress:
                         progress.add(self.infos[n].nbytes)
         if progress:
             progress.done()
+        if fp8:
+            scales = self.tensors([f"{n}_scale_inv" for n in fp8], device)
+            for n in fp8:
+                w = dequantize_fp8(out[n], scales[f"{n}_scale_inv"], blocks)  # type: ignore[arg-type]
+                out[n] = w if dtype is None else w.to(dtype)
         return out
 
     def _info(self, name: str) -> TensorInfo:
@@ -179,6 +192,17 @@ class Checkpoint:
         if info is None:
             raise CheckpointError(f"tensor '{name}' is missing from checkpoint {self.dir}")
         return info
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled FP8 weight `[N, K]` as float32: each (bn x bk) block times its scale (module docstring)."""
+    n, k = w.shape
+    bn, bk = block
+    if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
+        raise CheckpointError(f"an FP8 weight of shape {tuple(w.shape)} needs {-(-n // bn)}x{-(-k // bk)} block "
+                              f"scales for {bn}x{bk} blocks, the checkpoint has {tuple(scale.shape)}")
+    full = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w.float() * full
 
 
 def load_checkpoint(dir: str | Path) -> Checkpoint:

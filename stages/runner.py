@@ -199,6 +199,7 @@ class StageRunner:
             "version": self.mirror.version,
             "vocab": self.model.vocab_size,  # logits per sampled row: the size of a grammar mask
             "state_entries": self.state.n_entries if self.state is not None else 0,  # coordinator/linear_state.py
+            "weight_bytes": self.model.weight_bytes(),  # as loaded (GGUF weights kept quantized: packed)
             "generations": list(self.memory.generations[: e.n_chunks]),
         }
 

@@ -164,7 +164,15 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
 def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     notes: list[str] = []
     seed = 0
-    if args.model_dir:
+    gguf_path = None
+    if args.gguf:  # a GGUF file of the user's: Strata and llama.cpp serve it, transformers has no checkpoint
+        from pool.gguf_meta import GGUFModel
+
+        model_dir, gguf_path = None, str(args.gguf)
+        args.layers = GGUFModel(gguf_path).config["num_hidden_layers"]
+        args.peers = [p for p in args.peers if p != "transformers"]
+        notes.append(f"model: {gguf_path} (transformers is not run on a GGUF file; ratios are against llama.cpp)")
+    elif args.model_dir:
         model_dir = args.model_dir
     else:
         built = run_child("stages.bench_peers", ["build", "--dir", str(tmp / "model"), "--arch", args.arch,
@@ -176,10 +184,15 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         notes.append(f"checkpoint: random {args.arch}, {args.layers} layers, hidden {args.hidden}, heads "
                      f"{args.heads}, kv_heads {args.kv_heads}, intermediate {args.intermediate}, vocab "
                      f"{built['vocab']}: {built['params'] / 1e6:.1f}M parameters, float32")
+    if model_dir and args.quant != "F32":  # one quantized GGUF for Strata and llama.cpp alike
+        gguf_path = str(tmp / f"model-{args.quant}.gguf")
+        run_child("stages.bench_peers", ["export", "--model-dir", model_dir, "--gguf", gguf_path, "--quant", args.quant])
+        notes.append(f"Strata and llama.cpp serve one GGUF file, its 2-D weights in {args.quant}; transformers runs "
+                     "the float checkpoint it was quantized from")
     prompts = {b: prompt_ids(seed, b, args.prompt_tokens) for b in sorted(set(args.concurrency) | {1})}
     prompts_path = tmp / "prompts.json"
     prompts_path.write_text(json.dumps({str(b): p for b, p in prompts.items()}))
-    sizes = ["--model-dir", model_dir, "--prompts", str(prompts_path), "--output-tokens", str(args.output_tokens),
+    sizes = ["--model-dir", model_dir or "", "--prompts", str(prompts_path), "--output-tokens", str(args.output_tokens),
              "--batches", ",".join(map(str, args.concurrency)), "--threads", str(args.threads),
              "--repeats", str(args.repeats)]
     rows: list[dict[str, Any]] = []
@@ -193,7 +206,8 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 rows += out["rows"]
                 hf_greedy = out["greedy_ids"]
             elif peer == "llama.cpp":
-                out = run_child("stages.bench_peers", ["llamacpp", *sizes, "--gguf", str(tmp / "model-f32.gguf")])
+                out = run_child("stages.bench_peers", ["llamacpp", *sizes, "--gguf",
+                                                       gguf_path or str(tmp / "model-f32.gguf")])
                 if "skipped" in out:
                     notes.append(f"llama.cpp skipped: {out['skipped']}")
                 else:
@@ -201,19 +215,28 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     notes.append(out.get("note", ""))
                     llama_greedy = out.get("greedy_ids", [])
             elif peer.startswith("strata-") and peer[7:].isdigit():
-                rows += run_strata_peer(args, peer, model_dir, tmp, prompts, notes)
+                rows += run_strata_peer(args, peer, gguf_path or model_dir, tmp, prompts, notes)
             else:
                 raise ValueError(f"unknown peer {peer!r}; known: strata-N (N stages), transformers, llama.cpp")
         except RuntimeError as err:  # one peer failing is reported; the others still run
             notes.append(f"{peer} FAILED: {err}")
             print(f"peer {peer} failed: {err}", file=sys.stderr, flush=True)
-    base = {r["concurrency"]: r for r in rows if r["peer"] == "transformers"}
-    for r in rows:
-        b = base.get(r["concurrency"], {})
-        r["prefill_vs_hf"] = ratio(r.get("prefill_tok_s"), b.get("prefill_tok_s"))
-        r["decode_vs_hf"] = ratio(r.get("decode_tok_s"), b.get("decode_tok_s"))
+    for peer, tag in (("transformers", "hf"), ("llama.cpp", "llama")):
+        base = {r["concurrency"]: r for r in rows if r["peer"] == peer}
+        for r in rows:
+            b = base.get(r["concurrency"], {})
+            r[f"prefill_vs_{tag}"] = ratio(r.get("prefill_tok_s"), b.get("prefill_tok_s"))
+            r[f"decode_vs_{tag}"] = ratio(r.get("decode_tok_s"), b.get("decode_tok_s"))
     texts = [r.pop("greedy_text") for r in rows if "greedy_text" in r]
-    if hf_greedy and texts:
+    if gguf_path and llama_greedy and texts:
+        from coordinator.tokenizer import Tokenizer
+
+        expected = Tokenizer.from_gguf(Path(gguf_path)).decode(llama_greedy, skip_special=True)
+        same = sum(t == expected for t in texts)
+        notes.append(f"greedy check: {same} of {len(texts)} Strata peers' first {args.output_tokens} greedy tokens "
+                     "equal llama.cpp's on the same file (compared as text; a random model's logits are close, "
+                     "and bfloat16 vs llama.cpp's float32 with 8-bit activations can part ways)")
+    if hf_greedy and texts and not gguf_path:
         from coordinator.tokenizer import Tokenizer
 
         expected = Tokenizer.from_dir(Path(model_dir)).decode(hf_greedy, skip_special=True)  # as Strata streams
@@ -234,7 +257,7 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {
         "bench": "peers",
         "columns": ["peer", "concurrency", "prefill_tok_s", "decode_tok_s", "ttft_ms", "prefill_vs_hf",
-                    "decode_vs_hf"],
+                    "decode_vs_hf", "prefill_vs_llama", "decode_vs_llama", "weights_mib"],
         "rows": rows,
         "plot": {"x": "peer", "series": ["concurrency"],
                  "panels": [{"y": ["decode_tok_s"], "ylabel": "decode tokens / s", "kind": "bar"},
@@ -255,16 +278,27 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
     with StrataServer(path, port, tmp / f"{peer}.log") as server:
         found, text = asyncio.run(measure_strata(server.url, prompts, args.output_tokens, args.concurrency,
                                                    args.repeats))
+        weights = stage_weight_bytes(server.url)
     notes.append(f"{peer}: {n_stages} CPU stage(s), engine.threads {cfg['engine']['threads']} each, "
-                 f"layers {[s['layers'] for s in cfg['stages']]}")
+                 f"layers {[s['layers'] for s in cfg['stages']]}, weights as loaded per stage (MiB) "
+                 f"{[round(w / 2**20, 1) for w in weights]}")
     short = [r for r in found if r["output_tokens"] != r["concurrency"] * args.output_tokens]
     if short:
         notes.append(f"{peer}: batches generated fewer than b x {args.output_tokens} tokens despite ignore_eos: "
                      + ", ".join(f"{r['output_tokens']} at concurrency {r['concurrency']}" for r in short))
-    out = [{"peer": peer, **r} for r in found]
+    out = [{"peer": peer, **r, "weights_mib": round(sum(weights) / 2**20, 1)} for r in found]
     out[0]["greedy_text"] = text
     return out
 
+
+
+def stage_weight_bytes(url: str) -> list[float]:
+    """Each stage's strata:stage_weight_bytes from /metrics (parsed by prometheus_client), in stage order."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {s.labels["stage"]: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+             for s in fam.samples if s.name == "strata:stage_weight_bytes"}
+    return [found[k] for k in sorted(found, key=int)]
 
 
 def prompt_ids(seed: int, batch: int, length: int) -> list[list[int]]:

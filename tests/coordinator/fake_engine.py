@@ -42,7 +42,7 @@ KV_WINDOW = [
 ]
 
 # live_metrics()["stages"]: stage 1 waited for stage 0's hidden states a while.
-STAGES = [{"stage": 0, "steps_run": 12, "busy_s": 1.5, "hidden_wait_s": 0.0},
+STAGES = [{"stage": 0, "steps_run": 12, "busy_s": 1.5, "hidden_wait_s": 0.0, "weight_bytes": 1_234_567},
           {"stage": 1, "steps_run": 12, "busy_s": 1.25, "hidden_wait_s": 0.5}]
 
 

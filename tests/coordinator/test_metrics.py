@@ -29,7 +29,7 @@ EXPOSED = [
     "strata:kv_pool_cells", "strata:kv_pool_free_cells", "strata:kv_pool_held_cells",
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
     *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_busy_seconds_total",
-    "strata:stage_hidden_wait_seconds_total",
+    "strata:stage_hidden_wait_seconds_total", "strata:stage_weight_bytes",
 ]
 
 
@@ -113,6 +113,10 @@ def test_stage_time_per_stage(served):
         assert s[("strata:stage_steps_total", label)] == entry["steps_run"]
         assert s[("strata:stage_busy_seconds_total", label)] == entry["busy_s"]
         assert s[("strata:stage_hidden_wait_seconds_total", label)] == entry["hidden_wait_s"]
+        if entry.get("weight_bytes") is not None:
+            assert s[("strata:stage_weight_bytes", label)] == entry["weight_bytes"]
+        else:
+            assert ("strata:stage_weight_bytes", label) not in s
 
 
 def test_no_window_series_without_a_window(served):

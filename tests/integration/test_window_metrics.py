@@ -86,4 +86,6 @@ def test_window_counters_in_both_views(server):
         assert busy[("strata:stage_steps_total", i)] == stages[int(i)]["steps"]
         assert 0 < busy[("strata:stage_busy_seconds_total", i)] < 60
     assert busy[("strata:stage_hidden_wait_seconds_total", "0")] == 0
+    # weights as loaded, from each stage's HELLO: the first holds the embedding, the last the lm_head
+    assert all(busy[("strata:stage_weight_bytes", i)] > 0 for i in "01")
     assert busy[("strata:stage_hidden_wait_seconds_total", "1")] > 0

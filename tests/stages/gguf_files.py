@@ -3,7 +3,7 @@
 `write_gguf(model_dir, out, qtype)` writes the checkpoint's config as `{arch}.*` keys, its byte-level BPE
 vocabulary (tokens, merges, token types: added special tokens CONTROL), bos/eos and the chat template, and
 every tensor under its llama.cpp name. Every 2-D weight whose rows split into whole blocks is stored as
-`qtype` (`gguf.quants.quantize`; Q4_K by `quantize_q4_k`); norms and biases stay F32, as the converter keeps
+`qtype` (stages/gguf_quantize.py); norms and biases stay F32, as the converter keeps
 them. llama q/k rows are permuted as the converter's `LlamaModel.permute` does.
 
 `write_dequantized_checkpoint(model_dir, qtype, out)` writes the Hugging Face checkpoint whose weights are the
@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+
+from stages.gguf_quantize import quantize
 
 GGUF_ARCHS = {"Qwen3ForCausalLM": "QWEN3", "Qwen2ForCausalLM": "QWEN2", "LlamaForCausalLM": "LLAMA",
               "Qwen3MoeForCausalLM": "QWEN3MOE"}
@@ -40,37 +42,6 @@ def _quantizes(name: str, w: np.ndarray, qtype: str) -> bool:
         return False
     block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     return w.shape[1] % block == 0
-
-
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of float rows `[..., K]` (K a multiple of 256), which gguf.quants cannot write: per 32-weight
-    sub-block an asymmetric 4-bit grid (min clamped to <= 0), its scale and min as 6-bit multiples of the
-    superblock's f16 d and dmin, laid out as ggml's block_q4_K."""
-    rows = w.reshape(-1, 8, 32).astype(np.float32)  # [superblocks, sub-block, weight]
-    lo, hi = np.minimum(rows.min(-1), 0), rows.max(-1)
-    scale, mins = (hi - lo) / 15, -lo
-    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
-    dmin = (mins.max(-1, keepdims=True) / 63).astype(np.float16)
-    safe = lambda a: np.where(a == 0, 1, a)  # noqa: E731
-    sc = np.clip(np.rint(scale / safe(d.astype(np.float32))), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(mins / safe(dmin.astype(np.float32))), 0, 63).astype(np.uint8)
-    s, b = d.astype(np.float32) * sc, dmin.astype(np.float32) * m
-    q = np.clip(np.rint((rows + b[..., None]) / safe(s)[..., None]), 0, 15).astype(np.uint8)
-    packed = np.empty((rows.shape[0], 12), np.uint8)
-    packed[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
-    packed[:, 4:8] = m[:, :4] | (m[:, 4:] >> 4) << 6
-    packed[:, 8:12] = (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4
-    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # per 64 weights: sub-block 2c low, 2c + 1 high
-    out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=1)
-    return out.reshape(*w.shape[:-1], w.shape[-1] // 256 * 144)
-
-
-def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
-    import gguf
-
-    if qtype == "Q4_K":
-        return quantize_q4_k(w)
-    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 
 def _roundtrip(w: np.ndarray, qtype: str) -> np.ndarray:

@@ -119,3 +119,27 @@ def test_row_permutation_before_packing() -> None:
     planes = planes_from_gguf("Q5_K", raw, (N, K))
     order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(planes.rows(order).dequantize(), dequantized("Q5_K", raw)[order], atol=0, rtol=0)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_cuda_kernel_matches_dequantized_weights(kind: str, rows: int) -> None:
+    """tinygemm's int4 kernel (every step on CUDA) against F.linear on gguf's dequantized weights; the embedding
+    lookup on the device. N=128 (CUDA's packer wants rows in multiples of 8)."""
+    n = 128
+    raw = blocks(kind, n, K)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(n, K)
+    planes = planes_from_gguf(kind, raw, (n, K))
+    q = pack(planes, torch.bfloat16, "cuda")
+    assert isinstance(q, QuantLinear)
+    x = torch.randn(rows, K).bfloat16()
+    ref = F.linear(x.float(), w)
+    got = q(x.cuda()).float().cpu()
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    table = QuantEmbedding(planes, torch.float32, "cuda")
+    ids = torch.tensor([0, 7, 127])
+    torch.testing.assert_close(table.lookup(ids.cuda()).cpu(), w[ids], atol=0, rtol=1e-6)

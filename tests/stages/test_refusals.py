@@ -18,6 +18,7 @@ from stages.model import StageModel
 from stages.tiny import make_tiny_model, tiny_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_PER_TENSOR = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}  # no weight_block_size
 # name -> (changes to a valid Qwen3 config.json, what the message must name)
 REFUSED = {
     "gpt-oss": ({"architectures": ["GptOssForCausalLM"]}, "GptOssForCausalLM"),
@@ -31,7 +32,9 @@ REFUSED = {
                          "rope_type 'mrope'"),
     "partial-rotary": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     "linear-without-factor": ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
-    "fp8": ({"quantization_config": FP8}, "quantization_config quant_method=fp8 is not computed by the stages"),
+    "fp8-per-tensor": ({"quantization_config": FP8_PER_TENSOR},
+                       "quantization_config quant_method=fp8 is not computed by the stages"),
+    "fp8-e5m2": ({"quantization_config": {**FP8, "fmt": "e5m2"}}, "quant_method=fp8"),
     "gptq": ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method=gptq"),
     "awq": ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method=awq"),
 }
@@ -43,6 +46,7 @@ ACCEPTED = {
     "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
     "legacy-linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
     "rope-parameters": {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    "fp8-blocks": {"quantization_config": FP8},  # tests/stages/test_fp8.py computes it
 }
 
 
@@ -117,7 +121,7 @@ def test_fp8_weights_without_a_quantization_config_are_refused_on_both_sides(tmp
 
 
 def test_strata_config_check_exits_1_with_the_fp8_message(tmp_path, capsys):
-    d = _write(tmp_path / "fp8", _config({"quantization_config": FP8}))
+    d = _write(tmp_path / "fp8", _config({"quantization_config": FP8_PER_TENSOR}))
     box = tmp_path / "box.yaml"
     box.write_text(yaml.safe_dump({"model": str(d), "engine": {"max_context": 64, "chunk_cells": 16,
                                                                "prefill_chunk": 16},
