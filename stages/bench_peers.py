@@ -185,6 +185,8 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         import gguf  # noqa: F401  (the writer export_gguf uses)
     except ImportError:
         return {"skipped": "the gguf package (the GGUF writer) is not installed"}
+    if args.no_extra_bufts:
+        without_extra_bufts(llama_cpp)
     gguf_path = Path(args.gguf or Path(args.model_dir) / "model-f32.gguf")
     if not gguf_path.exists():
         export_gguf(args.model_dir, gguf_path, args.quant)
@@ -222,6 +224,21 @@ def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
                     f"single-sequence); GGUF {gguf_path.name}"}
 
 
+def without_extra_bufts(llama_cpp: Any) -> None:
+    """Make every `llama_cpp.Llama` load with `use_extra_bufts` false: llama.cpp's extra CPU buffer types (AMX,
+    repacked quant blocks) are left out (llama-cpp-python has no argument for it)."""
+    import llama_cpp.llama as high_level
+
+    default = llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    high_level.llama_cpp.llama_model_default_params = params
+
+
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     export_gguf(args.model_dir, Path(args.gguf), args.quant)
     return {"gguf": args.gguf}
@@ -235,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--gguf", default=None)
     p.add_argument("--quant", default="F32", help="export: the GGUF type of the 2-D weights")
+    p.add_argument("--no-extra-bufts", action="store_true", help="llamacpp: load without llama.cpp's extra buffer types")
     p.add_argument("--arch", default="qwen3")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)

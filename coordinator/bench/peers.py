@@ -206,8 +206,16 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 rows += out["rows"]
                 hf_greedy = out["greedy_ids"]
             elif peer == "llama.cpp":
-                out = run_child("stages.bench_peers", ["llamacpp", *sizes, "--gguf",
-                                                       gguf_path or str(tmp / "model-f32.gguf")])
+                llama_args = ["llamacpp", *sizes, "--gguf", gguf_path or str(tmp / "model-f32.gguf")]
+                try:
+                    out = run_child("stages.bench_peers", llama_args)
+                except RuntimeError as err:
+                    if "exit code -11" not in str(err):
+                        raise
+                    out = run_child("stages.bench_peers", [*llama_args, "--no-extra-bufts"])
+                    notes.append("llama.cpp crashed (SIGSEGV) with its extra CPU buffer types (AMX, repacked quant "
+                                 "blocks) on this file and machine; its figures are from a run without them "
+                                 "(use_extra_bufts false)")
                 if "skipped" in out:
                     notes.append(f"llama.cpp skipped: {out['skipped']}")
                 else:
