@@ -108,8 +108,9 @@ class GGUFTensor:
     type: str                # GGMLQuantizationType name: F32, Q8_0, ...
     shape: tuple[int, ...]
     nbytes: int
-    offset: int              # absolute byte offset of the data in the file
+    offset: int              # absolute byte offset of the data in its file
     expert: int | None = None  # one expert's slice of a stacked tensor `name` (shape and nbytes: the slice's)
+    shard: int = 0           # the file of a split GGUF that holds it (GGUFModel.readers[shard])
 
     @property
     def numel(self) -> int:
@@ -120,9 +121,17 @@ class GGUFTensor:
         return self.type not in FLOAT_TYPES
 
 
+SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's gguf-split naming
+
+
 class GGUFModel:
     """A GGUF file's config dict (`.config`, as config.json), tensors by Hugging Face name (`.tensors`) and the
-    open reader (`.reader`, memory-mapped); `.field(key)` reads one metadata value."""
+    open reader (`.reader`, memory-mapped; `.readers`: one per file of a split GGUF); `.field(key)` reads one
+    metadata value.
+
+    A split GGUF (llama.cpp's gguf-split: `NAME-00001-of-0000N.gguf`, `split.count` N) is named by its first
+    file; the metadata is read from it, the tensors from every file. Naming another file of the split, or a split
+    with a file missing, is refused naming the file."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -136,12 +145,13 @@ class GGUFModel:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on a damaged file
             raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self.readers = [self.reader, *self._other_shards(gguf)]
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHS:
             raise GGUFError(f"{self.path}: general.architecture {self.arch!r} is not computed by the stages; "
                             f"supported: {', '.join(ARCHS)}")
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in self.reader.tensors:
+        for shard, t in ((i, t) for i, r in enumerate(self.readers) for t in r.tensors):
             kind = t.tensor_type.name
             if kind not in FLOAT_TYPES and kind not in QUANT_TYPES:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} is stored as {kind}; the stages read "
@@ -152,13 +162,44 @@ class GGUFModel:
                 n = shape[0]
                 for e in range(n):
                     hf = f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight"
-                    self.tensors[hf] = GGUFTensor(t.name, kind, shape[1:], int(t.n_bytes) // n, int(t.data_offset), e)
+                    self.tensors[hf] = GGUFTensor(t.name, kind, shape[1:], int(t.n_bytes) // n, int(t.data_offset), e,
+                                                  shard)
                 continue
             name = hf_name(t.name)
             if name is None:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} has no counterpart the stages compute")
-            self.tensors[name] = GGUFTensor(t.name, kind, shape, int(t.n_bytes), int(t.data_offset))
+            self.tensors[name] = GGUFTensor(t.name, kind, shape, int(t.n_bytes), int(t.data_offset), shard=shard)
         self.config = self._config()
+
+    def _other_shards(self, gguf: Any) -> list[Any]:
+        """Readers of the files after the first of a split GGUF (class docstring); none for a single file."""
+        count = int(self.field("split.count", 1) or 1)
+        if count <= 1:
+            return []
+        m = SHARD_NAME.fullmatch(self.path.name)
+        if int(self.field("split.no", 0)) != 0 or m is None or int(m.group(3)) != count:
+            raise GGUFError(f"{self.path} is file {int(self.field('split.no', 0)) + 1} of a {count}-file split GGUF; "
+                            f"name its first file (NAME-00001-of-{count:05d}.gguf)")
+        out = []
+        for i in range(2, count + 1):
+            path = self.path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")
+            if not path.is_file():
+                raise GGUFError(f"{self.path}: file {i} of the {count}-file split, {path.name}, is missing")
+            try:
+                out.append(gguf.GGUFReader(str(path)))
+            except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on a damaged file
+                raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+        return out
+
+    def reader_tensor(self, info: GGUFTensor) -> Any:
+        """The gguf ReaderTensor that holds `info` (its data memory-mapped)."""
+        return self._by_name[info.shard, info.name]
+
+    @property
+    def _by_name(self) -> dict[tuple[int, str], Any]:
+        if not hasattr(self, "_reader_tensors"):
+            self._reader_tensors = {(i, t.name): t for i, r in enumerate(self.readers) for t in r.tensors}
+        return self._reader_tensors
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.get_field(key)
@@ -185,9 +226,12 @@ class GGUFModel:
         """sha256 over the header (metadata and tensor infos, every byte before the data) and each tensor's
         first 64 bytes (the same sampling as a safetensors checkpoint's fingerprint)."""
         h = hashlib.sha256()
-        data = self.reader.data
-        h.update(bytes(data[: self.reader.data_offset]))
-        for t in sorted({t.offset: t for t in self.tensors.values()}.values(), key=lambda t: t.offset):
+        for r in self.readers:
+            h.update(bytes(r.data[: r.data_offset]))
+        stored = {(t.shard, t.offset): t for t in self.tensors.values()}  # a stacked tensor once
+        for key in sorted(stored):
+            t = stored[key]
+            data = self.readers[t.shard].data
             h.update(bytes(data[t.offset: t.offset + min(FINGERPRINT_SAMPLE_BYTES, t.nbytes)]))
         return h.hexdigest()
 

@@ -51,7 +51,6 @@ class GGUFCheckpoint:
         self.dir = self.meta.path  # named as Checkpoint names it, for messages
         self.config = self.meta.config
         self.arch = self.config["architectures"][0]
-        self._by_name = {t.name: i for i, t in enumerate(self.meta.reader.tensors)}
 
     @property
     def num_layers(self) -> int:
@@ -103,10 +102,10 @@ class GGUFCheckpoint:
     def _load(self, name: str, dtype: torch.dtype, stacked: dict[str, torch.Tensor]) -> torch.Tensor:
         info = self._info(name)
         if info.expert is None:
-            t = self._read(info.name).reshape(info.shape)
+            t = self._read(info).reshape(info.shape)
         else:
             if info.name not in stacked:
-                stacked[info.name] = self._read(info.name)
+                stacked[info.name] = self._read(info)
             t = stacked[info.name].reshape(-1, *info.shape)[info.expert]
         if self.meta.arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
@@ -118,7 +117,7 @@ class GGUFCheckpoint:
         info = self._info(name)
         if not info.quantized or len(info.shape) != 2:
             return None
-        t = self.meta.reader.tensors[self._by_name[info.name]]
+        t = self.meta.reader_tensor(info)
         key = ("planes", info.name)
         if key not in stacked:  # a stacked tensor is decomposed once for all its experts
             rows = int(t.n_elements) // info.shape[1]
@@ -134,11 +133,11 @@ class GGUFCheckpoint:
             planes = planes.rows(unpermute_rope(torch.arange(info.shape[0]), heads))
         return planes
 
-    def _read(self, gguf_name: str) -> torch.Tensor:
+    def _read(self, info: GGUFTensor) -> torch.Tensor:
         """A whole stored tensor as floats (dequantized), shaped as gguf shapes it."""
         import gguf
 
-        t = self.meta.reader.tensors[self._by_name[gguf_name]]
+        t = self.meta.reader_tensor(info)
         kind = t.tensor_type.name
         if kind == "BF16":
             return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)

@@ -1,6 +1,9 @@
 """`strata bench peers`: one checkpoint, served by Strata (1 stage and 2 stages) and run by its peers
 (transformers `generate`, llama.cpp through llama-cpp-python when it is installed), same thread budget,
-prompts of the same length. Ratios are taken against transformers, measured in the same run.
+prompts of the same length. Ratios are taken against transformers and llama.cpp, measured in the same run.
+`--quant Q8_0|Q4_0|Q4_K|...` serves the checkpoint as one GGUF file with its 2-D weights in that type (Strata
+and llama.cpp on the same file; transformers on the float checkpoint); `--gguf FILE` serves a file of the
+user's (Strata and llama.cpp only). Strata's rows carry its stages' weights as loaded (strata:stage_weight_bytes).
 
     build     python -m stages.bench_peers build           a random ~100M checkpoint (qwen3, 12 layers, hidden
                                                            768, MLP 3072, the tiny tokenizer's 512-token vocab)
@@ -260,7 +263,8 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         f"greedy; thread budget {args.threads} for every peer (Strata: engine.threads split over its stages); "
         "CPU",
         "Strata is measured over HTTP from the client (API, scheduler and stage hops included); transformers "
-        "and llama.cpp around the call in-process; ratios are against transformers at the same concurrency",
+        "and llama.cpp around the call in-process; *_vs_hf / *_vs_llama are ratios against transformers / llama.cpp "
+        "at the same concurrency",
     ]
     return {
         "bench": "peers",

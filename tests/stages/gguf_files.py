@@ -6,6 +6,9 @@ every tensor under its llama.cpp name. Every 2-D weight whose rows split into wh
 `qtype` (stages/gguf_quantize.py); norms and biases stay F32, as the converter keeps
 them. llama q/k rows are permuted as the converter's `LlamaModel.permute` does.
 
+With `split_max_tensors`, the file is split as llama.cpp's gguf-split does (`NAME-00001-of-0000N.gguf`, the
+metadata in the first); the first file's path is returned.
+
 `write_dequantized_checkpoint(model_dir, qtype, out)` writes the Hugging Face checkpoint whose weights are the
 quantized ones dequantized (`gguf.quants.dequantize`): what transformers must compute for a quantized file.
 Quantization blocks run along a row, so permuting rows before or after quantizing gives the same bytes.
@@ -55,7 +58,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32", split_max_tensors: int = 0) -> Path:
     import gguf
 
     model_dir, out = Path(model_dir), Path(out)
@@ -63,7 +66,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[cfg["architectures"][0]])
     heads, kv_heads, n_layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(n_layers)
@@ -129,7 +132,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    shards = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
+    return shards[0] if split_max_tensors and shards else out
 
 
 def write_dequantized_checkpoint(model_dir: str | Path, qtype: str, out: str | Path) -> Path:

@@ -253,3 +253,22 @@ def test_unsupported_tensor_is_refused(files, tmp_path) -> None:
     w.close()
     with pytest.raises(CheckpointError, match="rope_freqs"):
         load_checkpoint(out)
+
+
+def test_split_gguf_is_the_whole_file(files, tiny_model_factory, tmp_path) -> None:
+    """llama.cpp's gguf-split layout: named by its first file, the same model as the unsplit file; another file
+    of the split, or a split with a file missing, is refused naming it."""
+    path, _ = files("qwen3", "Q4_0")
+    src = load_checkpoint(path)
+    first = write_gguf(tiny_model_factory("qwen3", **SHAPE), tmp_path / "m.gguf", "Q4_0", split_max_tensors=10)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) >= 3 and first.name.endswith(f"-00001-of-{len(shards):05d}.gguf")
+    split = load_checkpoint(first)
+    assert split.config == src.config and split.meta.tensors.keys() == src.meta.tensors.keys()
+    assert {t.shard for t in split.meta.tensors.values()} == set(range(len(shards)))
+    torch.testing.assert_close(stage_logits(first, [2]), stage_logits(path, []), atol=1e-5, rtol=0)
+    with pytest.raises(CheckpointError, match=f"file 2 of a {len(shards)}-file split GGUF; name its first file"):
+        load_checkpoint(shards[1])
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"{shards[-1].name}, is missing"):
+        load_checkpoint(first)
