@@ -57,8 +57,9 @@ from typing import Any
 
 import yaml
 
-from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES,  # noqa: F401
-                             fp8_blocks, rotary_problem, uncomputable)
+from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, INT4_PARTS, SUPPORTED_ARCHS,  # noqa: F401
+                             SUPPORTED_ROPE_TYPES, fp8_blocks, int4_scheme, rotary_problem, uncomputable)
+from pool.gguf_meta import int4_bytes
 from pool.layer_kinds import FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
@@ -191,8 +192,10 @@ def refuse_uncomputable(where: str, conf: dict, stored: dict[str, str] | None = 
     if rope_type in ("linear", "dynamic", "llama3") and rope.get("factor") is None:
         refuse(f"rope_type {rope_type!r} needs a 'factor'")
     scaled = fp8_blocks(conf) is not None  # block-scaled FP8: F8_E4M3 weights beside their scales are computed
+    packed = int4_scheme(conf) is not None  # GPTQ / AWQ: integer parts of a packed linear are computed
     odd = sorted(n for n, dt in (stored or {}).items() if dt not in LOADABLE_ST and n.startswith(("model.", "lm_head."))
-                 and not (scaled and dt == FP8_ST_DTYPE and f"{n}_scale_inv" in (stored or {})))
+                 and not (scaled and dt == FP8_ST_DTYPE and f"{n}_scale_inv" in (stored or {}))
+                 and not (packed and n.rsplit(".", 1)[-1] in INT4_PARTS))
     if odd:
         dtype = stored[odd[0]]  # type: ignore[index]
         refuse(f"tensor {odd[0]} is stored as {dtype}; the stages read only {', '.join(LOADABLE_ST)} weights")
@@ -248,6 +251,40 @@ def _fp8_as_loaded(tensors: list[tuple[str, int, int, bool]], stored: dict[str, 
     rows, cols = fp8_blocks(conf)  # type: ignore[misc]
     notes.append(f"model: {len(fp8)} weights are block-scaled FP8 ({rows}x{cols} blocks); dequantized at load to "
                  "the compute dtype (no FP8 matmul on this path), so the weights figures are the dequantized sizes")
+    return out
+
+
+def _int4_as_loaded(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf: dict,
+                    notes: list[str]) -> list[tuple[str, int, int, bool]]:
+    """A GPTQ / AWQ checkpoint's tensors at their loaded size (stages/int4_checkpoint.py): each packed linear as
+    its int4 planes (pool/gguf_meta.int4_bytes) when its groups suit the kernel (not desc_act), else dequantized to
+    the compute dtype; the packed parts themselves are not kept."""
+    scheme = int4_scheme(conf)
+    assert scheme is not None
+    dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else str(conf.get("dtype") or conf.get("torch_dtype")
+                                                                         or "float16")
+    size = DTYPE_BYTES.get(dtype, 2)
+    quant = conf["quantization_config"]
+    keep = (scheme["group"] in (32, 64, 128, 256) and not quant.get("desc_act")
+            and (dtype == "bfloat16" or all(s.device == "cpu" for s in cfg.stages)))
+    shapes = {n: t for n, t in ((n, t) for n, *t in tensors)}
+    out = [t for t in tensors if t[0].rsplit(".", 1)[-1] not in INT4_PARTS]
+    bits = scheme["bits"]
+    for name in [n for n in shapes if n.endswith(".qweight")]:
+        words = shapes[name][1]  # elements of the int32 qweight
+        cols = 32 // bits if scheme["method"] == "gptq" else 8  # values per word
+        numel = words * cols
+        base = name[: -len("qweight")]
+        group = scheme["group"] if scheme["group"] > 0 else None
+        if keep and group:
+            planes = 1 if bits == 4 else 2
+            loaded = int4_bytes(planes, numel, group, size)
+        else:
+            loaded = numel * size
+        out.append((base + "weight", loaded, numel, False))
+    how = "kept quantized as int4 planes" if keep else f"dequantized at load to {dtype}"
+    notes.append(f"model: {scheme['method'].upper()} {bits}-bit, group_size {scheme['group']}: projections {how}; the "
+                 "weights figures are the sizes as loaded")
     return out
 
 
@@ -401,6 +438,8 @@ def check(cfg: Config) -> Report:
         weights_from = "safetensors headers" if tensors else "config.json geometry"
         if fp8_blocks(conf) is not None:
             tensors = _fp8_as_loaded(tensors, stored, conf, notes)
+        if int4_scheme(conf) is not None:
+            tensors = _int4_as_loaded(cfg, tensors, conf, notes)
     info = _model_info(source, conf, weights_from)
     cfg.check_layers(info.num_layers)
     max_pos = conf.get("max_position_embeddings")

@@ -5,7 +5,9 @@ config_check.py; the coordinator does not import the stage package). No torch he
 `uncomputable(config)` names the first of: an architecture outside SUPPORTED_ARCHS, a `hidden_act` outside
 SUPPORTED_ACTS, a `quantization_config` other than block-scaled FP8 (`fp8_blocks`: quant_method fp8, fmt e4m3,
 a 2-int weight_block_size; its `*.weight` stored F8_E4M3 beside a float32 `*.weight_scale_inv` of one scale
-per block, dequantized at load as `w * scale` per block; GPTQ, AWQ, bitsandbytes, ... are refused by name),
+per block, dequantized at load as `w * scale` per block) and the integer schemes of `int4_scheme` (GPTQ 4/8-bit,
+AWQ gemm 4-bit: stages/int4_checkpoint.py); anything else (bitsandbytes, GPTQ 2/3-bit, AWQ gemv, ...) is refused
+by name,
 a layer kind or linear-attention geometry the stages do not compute (pool/layer_kinds.py); None when none
 applies. The rope is checked by each side as it reads it; a partial rotary factor only for the architectures of
 PARTIAL_ROTARY_ARCHS (which rotate the first `head_dim * factor` dims of each head; the others rotate all).
@@ -24,6 +26,26 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # read as plain numbers without the scheme that gives them meaning.
 FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
 FP8_ST_DTYPE = "F8_E4M3"  # a block-scaled FP8 checkpoint's weights (fp8_blocks)
+INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a GPTQ / AWQ linear's stored tensors (int4_scheme)
+
+
+def int4_scheme(config: dict) -> dict | None:
+    """{"method": gptq | awq, "bits", "group", "format"} of a GPTQ / AWQ checkpoint the stages compute, else None."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    method, bits, group = quant.get("quant_method"), quant.get("bits"), quant.get("group_size", 128)
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        return None
+    if method == "gptq" and bits in (4, 8):
+        fmt = quant.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            return None
+        return {"method": "gptq", "bits": bits, "group": group, "format": fmt}
+    if method == "awq" and bits == 4 and str(quant.get("version", "gemm")).lower() == "gemm" \
+            and quant.get("zero_point", True):
+        return {"method": "awq", "bits": 4, "group": group, "format": "gemm"}
+    return None
 
 
 def fp8_blocks(config: dict) -> tuple[int, int] | None:
@@ -47,10 +69,16 @@ def uncomputable(config: dict) -> str | None:
     if act not in SUPPORTED_ACTS:
         return f"hidden_act {act!r} is not computed by the stages (only {', '.join(SUPPORTED_ACTS)})"
     quant = config.get("quantization_config")
-    if quant is not None and fp8_blocks(config) is None:
+    if quant is not None and fp8_blocks(config) is None and int4_scheme(config) is None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        return (f"quantization_config quant_method={method} is not computed by the stages (computed: block-scaled "
-                "fp8 with fmt e4m3 and a weight_block_size; GGUF files); use that or an unquantized checkpoint")
+        parts = [f"{k}={quant[k]}" for k in ("bits", "version", "checkpoint_format", "fmt")
+                 if isinstance(quant, dict) and k in quant]
+        if method == "fp8" and isinstance(quant, dict) and "weight_block_size" not in quant:
+            parts.append("no weight_block_size")
+        detail = ", ".join(parts)
+        return (f"quantization_config quant_method={method}{' (' + detail + ')' if detail else ''} is not computed "
+                "by the stages (computed: block-scaled fp8 e4m3, GPTQ 4/8-bit, AWQ gemm 4-bit, GGUF files); use one "
+                "of those or an unquantized checkpoint")
     return linear_problem(config)
 
 

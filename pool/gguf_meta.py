@@ -79,7 +79,12 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
     groups = rows * cols // 32
     if embedding:
         return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
-    return planes * (rows * cols // 2 + 2 * dtype_bytes * groups)
+    return int4_bytes(planes, rows * cols, 32, dtype_bytes)
+
+
+def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int) -> int:
+    """A QuantLinear's bytes: per plane 4 bits per weight, and a scale and a zero per `group` weights."""
+    return planes * (numel // 2 + 2 * dtype_bytes * (numel // group))
 
 
 class GGUFError(ValueError):

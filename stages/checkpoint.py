@@ -11,8 +11,9 @@ checkpoints of the same shape differ, and reading it costs one small read per te
 
 Refused at load, with a message naming what (`check_computable`), because the stages would otherwise serve
 wrong output without a word: an architecture outside `SUPPORTED_ARCHS`, a `hidden_act` other than silu, a
-rope the stages do not compute (stages/rope.py), and any `quantization_config` but block-scaled FP8 (GPTQ,
-AWQ, ...). A tensor stored in a dtype the stages do not cast from (FP8 without its scales, integers) is refused
+rope the stages do not compute (stages/rope.py), and any `quantization_config` but block-scaled FP8 and the
+GPTQ / AWQ schemes of stages/int4_checkpoint.py (whose packed `*.qweight` / `qzeros` / `scales` / `g_idx`
+answer for the projection's `*.weight`: Planes with `keep_quantized`, else the dequantized weight). A tensor stored in a dtype the stages do not cast from (FP8 without its scales, integers) is refused
 when it is loaded. `strata config check` refuses the same configs before anything starts.
 
 Block-scaled FP8 (pool/computable.fp8_blocks; DeepSeek-V3 / Qwen3 FP8 releases): a `*.weight` stored F8_E4M3
@@ -35,7 +36,8 @@ import torch
 from safetensors import safe_open
 
 from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, SUPPORTED_ACTS, SUPPORTED_ARCHS,  # noqa: F401
-                             fp8_blocks, uncomputable)
+                             INT4_PARTS, fp8_blocks, int4_scheme, uncomputable)
+from stages.int4_checkpoint import dequantized as int4_dequantized, planes as int4_planes
 from stages.rope import RopeError, rope_parameters
 
 SINGLE_FILE = "model.safetensors"
@@ -117,13 +119,33 @@ class Checkpoint:
         info = self.infos.get("model.embed_tokens.weight") or next(iter(self.infos.values()))
         return _ST_DTYPES[info.dtype]
 
+    @property
+    def int4(self) -> dict | None:
+        """The GPTQ / AWQ scheme (pool/computable.int4_scheme), or None."""
+        return int4_scheme(self.config)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether projections are stored as packed integers (GPTQ / AWQ): `tensors(keep_quantized=True)` gives
+        their Planes."""
+        return self.int4 is not None
+
+    def _packed(self, name: str) -> list[str] | None:
+        """The stored parts of a GPTQ / AWQ linear's `*.weight` (stages/int4_checkpoint.py), or None."""
+        if self.int4 is None or not name.endswith(".weight") or name in self.infos:
+            return None
+        base = name[: -len("weight")]
+        if base + "qweight" not in self.infos:
+            return None
+        return [base + p for p in INT4_PARTS if base + p in self.infos]
+
     def has_tensor(self, name: str) -> bool:
-        return name in self.infos
+        return name in self.infos or self._packed(name) is not None
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
-        """Stored bytes of the named tensors (all of them by default)."""
+        """Stored bytes of the named tensors (all of them by default; a packed weight: its parts)."""
         keys = self.infos.keys() if names is None else names
-        return sum(self._info(n).nbytes for n in keys)
+        return sum(sum(self._info(p).nbytes for p in (self._packed(n) or [n])) for n in keys)
 
     def fingerprint(self) -> str:
         """sha256 over config.json, every header entry (sorted by name) and each tensor's first 64 bytes."""
@@ -150,6 +172,7 @@ class Checkpoint:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         label: str | None = None,
+        keep_quantized: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Load only `names` (each at most once), cast to `dtype` when given, onto `device`.
 
@@ -158,6 +181,16 @@ class Checkpoint:
         "loading layers 0-13: 1.2/7.4 GiB".
         """
         names = list(dict.fromkeys(names))
+        packed = {n: self._packed(n) for n in names}
+        packed = {n: parts for n, parts in packed.items() if parts}
+        if packed:  # GPTQ / AWQ projections: their parts read raw, then Planes or the dequantized weight
+            out = self.tensors([n for n in names if n not in packed], device, dtype, label, keep_quantized)
+            raw = self.tensors([p for parts in packed.values() for p in parts], "cpu")
+            for n, parts in packed.items():
+                t = {p.rsplit(".", 1)[1]: raw[p] for p in parts}
+                kept = int4_planes(self.int4, t) if keep_quantized else None  # type: ignore[arg-type]
+                out[n] = kept if kept is not None else int4_dequantized(self.int4, t).to(device, dtype or self.dtype)  # type: ignore[arg-type]
+            return out
         blocks = fp8_blocks(self.config)
         fp8 = {n for n in names if blocks and self._info(n).dtype == FP8_ST_DTYPE and f"{n}_scale_inv" in self.infos}
         for n in names:

@@ -52,9 +52,10 @@ class Planes:
     """w[n, k] = sum_p scales[p][n, k // 32] * values[p][n, k] + offset[n, k // 32] (module docstring)."""
 
     values: list[torch.Tensor]  # uint8 [N, K], 0..15
-    scales: list[torch.Tensor]  # float32 [N, K / 32]
-    offset: torch.Tensor  # float32 [N, K / 32]
-    kind: str = ""  # the GGUF type it came from, for messages
+    scales: list[torch.Tensor]  # float32 [N, K / group]
+    offset: torch.Tensor  # float32 [N, K / group]
+    kind: str = ""  # the format it came from, for messages
+    group: int = GROUP  # weights per scale along a row (GGUF: 32; GPTQ / AWQ: their group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,14 +63,15 @@ class Planes:
 
     def rows(self, index: torch.Tensor | slice) -> "Planes":
         """The planes of rows `index` (a slice or an index tensor), in that order."""
-        return Planes([v[index] for v in self.values], [s[index] for s in self.scales], self.offset[index], self.kind)
+        return Planes([v[index] for v in self.values], [s[index] for s in self.scales], self.offset[index], self.kind,
+                      self.group)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 `[N, K]`."""
         n, k = self.shape
-        w = self.offset.repeat_interleave(GROUP, dim=1)
+        w = self.offset.repeat_interleave(self.group, dim=1)
         for v, s in zip(self.values, self.scales):
-            w = w + v.float() * s.repeat_interleave(GROUP, dim=1)
+            w = w + v.float() * s.repeat_interleave(self.group, dim=1)
         return w.reshape(n, k)
 
     def nbytes(self) -> int:
@@ -85,7 +87,9 @@ def cat_planes(parts: Sequence[Planes]) -> Planes:
         values.append(torch.cat([p.values[i] if i < len(p.values) else torch.zeros_like(p.values[0]) for p in parts]))
         scales.append(torch.cat([p.scales[i] if i < len(p.scales) else torch.zeros_like(p.scales[0]) for p in parts]))
     kinds = sorted({p.kind for p in parts})
-    return Planes(values, scales, torch.cat([p.offset for p in parts]), "+".join(kinds))
+    if len({p.group for p in parts}) != 1:
+        raise ValueError(f"cannot fuse rows of different group sizes {sorted({p.group for p in parts})}")
+    return Planes(values, scales, torch.cat([p.offset for p in parts]), "+".join(kinds), parts[0].group)
 
 
 # --- GGUF blocks -> planes (the layouts of ggml's block_q* structs) ---
@@ -199,7 +203,7 @@ class QuantLinear:
     def __init__(self, planes: Planes, dtype: torch.dtype, device: torch.device | str) -> None:
         device = torch.device(device)
         self.shape = planes.shape
-        self.kind, self.dtype, self.device = planes.kind, dtype, device
+        self.kind, self.dtype, self.device, self.group = planes.kind, dtype, device, planes.group
         n, k = self.shape
         self.rows = -(-n // _ROW_BLOCK) * _ROW_BLOCK if device.type == "cpu" else n
         self.packed: list[torch.Tensor] = []
@@ -232,7 +236,7 @@ class QuantLinear:
         n, k = self.shape
         w = None
         for p, sz in zip(self.packed, self.scales_zeros):
-            v = _cpu_unpack(p, self.rows, k)[:n].view(n, k // GROUP, GROUP).to(self.dtype)
+            v = _cpu_unpack(p, self.rows, k)[:n].view(n, k // self.group, self.group).to(self.dtype)
             scale, zero = sz[:, :n, 0].t().unsqueeze(-1), sz[:, :n, 1].t().unsqueeze(-1)
             part = torch.addcmul(zero - 8 * scale, v, scale)
             w = part if w is None else w + part
@@ -242,10 +246,10 @@ class QuantLinear:
         n = self.shape[0]
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
         if self.device.type == "cuda":
-            y = sum(torch._weight_int4pack_mm(x2.to(self.dtype), p, GROUP, sz)
+            y = sum(torch._weight_int4pack_mm(x2.to(self.dtype), p, self.group, sz)
                     for p, sz in zip(self.packed, self.scales_zeros))
         elif x2.shape[0] <= KERNEL_MAX_ROWS and self.dtype == torch.bfloat16:
-            y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.dtype), p, GROUP, sz)
+            y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.dtype), p, self.group, sz)
                     for p, sz in zip(self.packed, self.scales_zeros))
             y = y[:, :n]
         else:
@@ -260,7 +264,7 @@ class QuantEmbedding:
     """An embedding table `[V, H]` kept as planes: nibble pairs and float32 scales; `lookup(ids)` dequantizes rows."""
 
     def __init__(self, planes: Planes, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.shape, self.kind, self.dtype = planes.shape, planes.kind, dtype
+        self.shape, self.kind, self.dtype, self.group = planes.shape, planes.kind, dtype, planes.group
         self.pairs = [(v[:, ::2] | v[:, 1::2] << 4).to(device) for v in planes.values]
         self.scales = [s.to(device) for s in planes.scales]
         self.offset = planes.offset.to(device)
@@ -271,11 +275,11 @@ class QuantEmbedding:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         k = self.shape[1]
-        w = self.offset[ids].repeat_interleave(GROUP, dim=1)
+        w = self.offset[ids].repeat_interleave(self.group, dim=1)
         for p, s in zip(self.pairs, self.scales):
             b = p[ids]
             v = torch.stack((b & 15, b >> 4), dim=-1).reshape(-1, k)
-            w = w + v.float() * s[ids].repeat_interleave(GROUP, dim=1)
+            w = w + v.float() * s[ids].repeat_interleave(self.group, dim=1)
         return w.to(self.dtype)
 
 

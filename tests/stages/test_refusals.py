@@ -33,10 +33,13 @@ REFUSED = {
     "partial-rotary": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     "linear-without-factor": ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
     "fp8-per-tensor": ({"quantization_config": FP8_PER_TENSOR},
-                       "quantization_config quant_method=fp8 is not computed by the stages"),
+                       "quantization_config quant_method=fp8 (fmt=e4m3, no weight_block_size) is not computed by the stages"),
     "fp8-e5m2": ({"quantization_config": {**FP8, "fmt": "e5m2"}}, "quant_method=fp8"),
-    "gptq": ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method=gptq"),
-    "awq": ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method=awq"),
+    "gptq-3bit": ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "quant_method=gptq (bits=3)"),
+    "awq-gemv": ({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}},
+                 "quant_method=awq (bits=4, version=gemv)"),
+    "bitsandbytes": ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+                     "quant_method=bitsandbytes"),
 }
 ACCEPTED = {
     "qwen3": {},
@@ -47,6 +50,8 @@ ACCEPTED = {
     "legacy-linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
     "rope-parameters": {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
     "fp8-blocks": {"quantization_config": FP8},  # tests/stages/test_fp8.py computes it
+    "gptq": {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},  # test_int4_checkpoint
+    "awq": {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}},
 }
 
 
@@ -128,4 +133,4 @@ def test_strata_config_check_exits_1_with_the_fp8_message(tmp_path, capsys):
                                    "stages": [{"layers": [0, 2], "endpoint": "ipc:///tmp/refusal-test-0"}]}))
     assert config_check.main_check([str(box)]) == 1
     err = capsys.readouterr().err
-    assert "model: quantization_config quant_method=fp8 is not computed by the stages" in err
+    assert "model: quantization_config quant_method=fp8 (fmt=e4m3, no weight_block_size) is not computed" in err
