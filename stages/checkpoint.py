@@ -13,8 +13,9 @@ Refused at load, with a message naming what (`check_computable`), because the st
 wrong output without a word: an architecture outside `SUPPORTED_ARCHS`, a `hidden_act` other than silu, a
 rope the stages do not compute (stages/rope.py), and any `quantization_config` but block-scaled FP8 and the
 GPTQ / AWQ schemes of stages/int4_checkpoint.py (whose packed `*.qweight` / `qzeros` / `scales` / `g_idx`
-answer for the projection's `*.weight`: Planes with `keep_quantized`, else the dequantized weight). A tensor stored in a dtype the stages do not cast from (FP8 without its scales, integers) is refused
-when it is loaded. `strata config check` refuses the same configs before anything starts.
+answer for the projection's `*.weight`: Planes with `keep_quantized`, else the dequantized weight). A tensor
+stored in a dtype the stages do not cast from (FP8 without its scales, integers) is refused when it is loaded.
+`strata config check` refuses the same configs before anything starts.
 
 Block-scaled FP8 (pool/computable.fp8_blocks; DeepSeek-V3 / Qwen3 FP8 releases): a `*.weight` stored F8_E4M3
 beside its float32 `*.weight_scale_inv` `[ceil(N / bn), ceil(K / bk)]` is the weight `w[i, j] * scale[i // bn,
@@ -189,7 +190,9 @@ class Checkpoint:
             for n, parts in packed.items():
                 t = {p.rsplit(".", 1)[1]: raw[p] for p in parts}
                 kept = int4_planes(self.int4, t) if keep_quantized else None  # type: ignore[arg-type]
-                out[n] = kept if kept is not None else int4_dequantized(self.int4, t).to(device, dtype or self.dtype)  # type: ignore[arg-type]
+                if kept is None:
+                    kept = int4_dequantized(self.int4, t).to(device, dtype or self.dtype)  # type: ignore[arg-type]
+                out[n] = kept
             return out
         blocks = fp8_blocks(self.config)
         fp8 = {n for n in names if blocks and self._info(n).dtype == FP8_ST_DTYPE and f"{n}_scale_inv" in self.infos}

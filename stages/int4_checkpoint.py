@@ -41,8 +41,8 @@ def unpack(scheme: dict, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     bits, method = scheme["bits"], scheme["method"]
     if method == "awq":
         order = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])  # column c of 8 <- its nibble
-        q = _unpack(t["qweight"], 4, 1).view(t["qweight"].shape[0], -1, 8)[..., order].reshape(t["qweight"].shape[0], -1)
-        z = _unpack(t["qzeros"], 4, 1).view(t["qzeros"].shape[0], -1, 8)[..., order].reshape(t["qzeros"].shape[0], -1)
+        q, z = (_unpack(t[p], 4, 1).view(t[p].shape[0], -1, 8)[..., order].reshape(t[p].shape[0], -1)
+                for p in ("qweight", "qzeros"))
     else:
         q = _unpack(t["qweight"], bits, 0)
         z = _unpack(t["qzeros"], bits, 1)
@@ -67,7 +67,8 @@ def planes(scheme: dict, t: dict[str, torch.Tensor]) -> Planes | None:
     qt = q.t().to(torch.uint8)
     if scheme["bits"] == 4:
         return Planes([qt.contiguous()], [s], offset, scheme["method"].upper(), group)
-    return Planes([(qt & 15).contiguous(), (qt >> 4).contiguous()], [s, 16 * s], offset, scheme["method"].upper(), group)
+    return Planes([(qt & 15).contiguous(), (qt >> 4).contiguous()], [s, 16 * s], offset, scheme["method"].upper(),
+                  group)
 
 
 def dequantized(scheme: dict, t: dict[str, torch.Tensor]) -> torch.Tensor:

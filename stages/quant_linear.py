@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from pool.gguf_meta import PLANE_COUNTS
 
 GROUP = 32
-KERNEL_MAX_ROWS = 32  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (docs/BENCHMARKS.md)
+KERNEL_MAX_ROWS = 64  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant)
 PLANE_FORMATS = tuple(PLANE_COUNTS)
 _ROW_BLOCK = 64  # the CPU packer's row block
 
@@ -232,15 +232,22 @@ class QuantLinear:
             s.numel() * s.element_size() for s in self.scales_zeros)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight `[N, K]` in the compute dtype, from the packed bytes (CPU)."""
+        """The weight `[N, K]` in the compute dtype, from the packed bytes (CPU): each nibble half of a 64-row block
+        converted to float32 as it is copied into place, scaled and shifted in place (one rounding to the compute
+        dtype at the end, as the kernel rounds once; no unpacked uint8 copy)."""
         n, k = self.shape
-        w = None
+        blocks, g = self.rows // _ROW_BLOCK, self.group
+        out = None
         for p, sz in zip(self.packed, self.scales_zeros):
-            v = _cpu_unpack(p, self.rows, k)[:n].view(n, k // self.group, self.group).to(self.dtype)
-            scale, zero = sz[:, :n, 0].t().unsqueeze(-1), sz[:, :n, 1].t().unsqueeze(-1)
-            part = torch.addcmul(zero - 8 * scale, v, scale)
-            w = part if w is None else w + part
-        return w.reshape(n, k)  # type: ignore[union-attr]
+            bytes_ = p.view(blocks, k, 32)
+            v = torch.empty(blocks, 2, 32, k, dtype=torch.float32)
+            v[:, 0].copy_((bytes_ & 15).transpose(1, 2))  # rows 64b .. 64b + 31
+            v[:, 1].copy_((bytes_ >> 4).transpose(1, 2))  # rows 64b + 32 .. 64b + 63
+            w = v.view(self.rows, k // g, g)[:n]
+            scale = sz[:, :n, 0].t().unsqueeze(-1).float()
+            w.mul_(scale).add_(sz[:, :n, 1].t().unsqueeze(-1).float() - 8 * scale)
+            out = w if out is None else out.add_(w)
+        return out.reshape(n, k).to(self.dtype)  # type: ignore[union-attr]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = self.shape[0]

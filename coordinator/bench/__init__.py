@@ -9,10 +9,11 @@
     strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
     strata bench prefix   conversations on one long shared prefix, prefix sharing on vs off: how many fit, TTFT
     strata bench masks    what a grammar mask costs per sampled token (build, advance + mask), per grammar
+    strata bench quant    a kept-quantized projection per step: int4 kernel and dequantize + GEMM vs bfloat16
 
 Each prints a table, and writes <out>/<name>.json and <out>/<name>.png (default out: bench-out/).
-The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, window, and the
-torch parts of peers) run as `python -m stages.bench_*` child processes that write their result as JSON.
+The coordinator never imports the stage package: the benchmarks that need torch (pool, paged, window, quant, and
+the torch parts of peers) run as `python -m stages.bench_*` child processes that write their result as JSON.
 """
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--swap-repeats", type=int, default=200)
     pool.add_argument("--copy-repeats", type=int, default=3)
     pool.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+    quant = sub.add_parser("quant", help="kept-quantized projection: int4 kernel, dequantize + GEMM vs bfloat16")
+    common(quant)
+    quant.add_argument("--shapes", type=word_list, default=["768x768", "3072x768", "768x3072"])
+    quant.add_argument("--kinds", type=word_list, default=["Q4_K", "Q8_0"])
+    quant.add_argument("--rows", type=int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    quant.add_argument("--repeats", type=int, default=20)
+    quant.add_argument("--threads", type=int, default=2)
 
     paged = sub.add_parser("paged", help="decode step through shuffled chunk tables vs contiguous K/V")
     common(paged)
@@ -208,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 "cells", "kv-dtypes", "geometries", "max-timed-layers", "swap-repeats", "copy-repeats", "threads"]))
         elif args.bench == "paged":
             result = run_child("stages.bench_paged", _child_args(args, ["contexts", "slots", "repeats", "threads"]))
+        elif args.bench == "quant":
+            result = run_child("stages.bench_quant", _child_args(args, ["shapes", "kinds", "rows", "repeats",
+                                                                        "threads"]))
         elif args.bench == "window":
             result = run_child("stages.bench_window", _child_args(args, [
                 "contexts", "frames", "chunk-cells", "kv-dtype", "steps", "warmup", "threads"])
