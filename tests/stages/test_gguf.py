@@ -274,3 +274,31 @@ def test_split_gguf_is_the_whole_file(files, tiny_model_factory, tmp_path) -> No
     shards[-1].unlink()
     with pytest.raises(CheckpointError, match=f"{shards[-1].name}, is missing"):
         load_checkpoint(first)
+
+
+def test_concurrent_slots_match_solo_runs_kept_quantized(files, tmp_path) -> None:
+    """bfloat16, weights kept quantized (Q4_K), 2 stages: two conversations prefilled and decoded in the same
+    steps give each the tokens it gets alone, token for token (every step here takes the kernel path, whose
+    rows are computed independently of each other)."""
+    from tests.stages.harness import GREEDY
+
+    path, _ = files("qwen3", "Q4_K")
+    prompts = {0: PROMPT, 1: [7, 300, 41, 2, 99, 18, 5, 64, 33, 1]}
+    local = Local(make_cfg(path, [[0, 1], [1, 2]], dtype="bfloat16"), tmp_path, tag="solo")
+    try:
+        solo = {s: local.generate(s, p, 6) for s, p in prompts.items()}
+    finally:
+        local.close()
+    local = Local(make_cfg(path, [[0, 1], [1, 2]], dtype="bfloat16"), tmp_path, tag="both")
+    try:
+        assert isinstance(local.runners[0].model.layers[0]["qkv.weight"], QuantLinear)
+        slots = [[0, 0, len(prompts[0]), 1], [1, 0, len(prompts[1]), 1]]
+        res = local.step(slots, prompts[0] + prompts[1], {0: dict(GREEDY), 1: dict(GREEDY)})
+        got = {r[0]: [r[1]] for r in res}
+        for i in range(6):
+            step = [[s, len(prompts[s]) + i, 1, 1] for s in (0, 1)]
+            for r in local.step(step, [got[0][-1], got[1][-1]]):
+                got[r[0]].append(r[1])
+    finally:
+        local.close()
+    assert got == solo
