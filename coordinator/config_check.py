@@ -57,8 +57,9 @@ from typing import Any
 
 import yaml
 
-from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, INT4_PARTS, SUPPORTED_ARCHS,  # noqa: F401
-                             SUPPORTED_ROPE_TYPES, fp8_blocks, int4_scheme, rotary_problem, uncomputable)
+from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, INT4_KERNEL_GROUPS, INT4_PARTS,  # noqa: F401
+                             SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, fp8_blocks, int4_scheme, keeps_int4,
+                             rotary_problem, uncomputable)
 from pool.gguf_meta import int4_bytes
 from pool.layer_kinds import FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
@@ -212,9 +213,7 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
         raise ConfigError(f"model: {err}", key="model") from None
     refuse_uncomputable(str(m.path), m.config)
     dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else m.dtype
-    # Kept quantized for a bfloat16 compute dtype on every device, for float16 / float32 on the CPU only
-    # (stages/quant_linear.py: kernel_dtype_ok); a box that mixes would dequantize on its CUDA stages.
-    keep = dtype == "bfloat16" or all(s.device == "cpu" for s in cfg.stages)
+    keep = _keeps_int4(cfg, dtype)
     size = DTYPE_BYTES[dtype]
     tensors: list[tuple[str, int, int, bool]] = []
     kept: dict[str, int] = {}
@@ -238,6 +237,12 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
                      + (f"; dequantized at load to {dtype}: {', '.join(rest)}" if rest else "")
                      + "; the weights figures are the sizes as loaded")
     return m.config, str(m.path), tensors
+
+
+def _keeps_int4(cfg: Config, dtype: str) -> bool:
+    """Whether every stage keeps int4 planes packed in `dtype` (pool/computable.keeps_int4, the stages' rule);
+    when one would not (a CUDA stage in float16 / float32), all are counted dequantized."""
+    return all(keeps_int4(dtype, s.device.split(":")[0]) for s in cfg.stages)
 
 
 def _fp8_as_loaded(tensors: list[tuple[str, int, int, bool]], stored: dict[str, str], conf: dict,
@@ -264,24 +269,16 @@ def _int4_as_loaded(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf
     dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else str(conf.get("dtype") or conf.get("torch_dtype")
                                                                          or "float16")
     size = DTYPE_BYTES.get(dtype, 2)
-    quant = conf["quantization_config"]
-    keep = (scheme["group"] in (32, 64, 128, 256) and not quant.get("desc_act")
-            and (dtype == "bfloat16" or all(s.device == "cpu" for s in cfg.stages)))
-    shapes = {n: t for n, t in ((n, t) for n, *t in tensors)}
-    out = [t for t in tensors if t[0].rsplit(".", 1)[-1] not in INT4_PARTS]
+    keep = (scheme["group"] in INT4_KERNEL_GROUPS and not conf["quantization_config"].get("desc_act")
+            and _keeps_int4(cfg, dtype))
     bits = scheme["bits"]
-    for name in [n for n in shapes if n.endswith(".qweight")]:
-        words = shapes[name][1]  # elements of the int32 qweight
-        cols = 32 // bits if scheme["method"] == "gptq" else 8  # values per word
-        numel = words * cols
-        base = name[: -len("qweight")]
-        group = scheme["group"] if scheme["group"] > 0 else None
-        if keep and group:
-            planes = 1 if bits == 4 else 2
-            loaded = int4_bytes(planes, numel, group, size)
-        else:
-            loaded = numel * size
-        out.append((base + "weight", loaded, numel, False))
+    per_word = 32 // bits if scheme["method"] == "gptq" else 8  # values per int32 of a qweight
+    out = [t for t in tensors if t[0].rsplit(".", 1)[-1] not in INT4_PARTS]
+    for name, _, words, _ in tensors:
+        if name.endswith(".qweight"):
+            numel = words * per_word
+            loaded = int4_bytes(1 if bits == 4 else 2, numel, scheme["group"], size) if keep else numel * size
+            out.append((name[: -len("qweight")] + "weight", loaded, numel, False))
     how = "kept quantized as int4 planes" if keep else f"dequantized at load to {dtype}"
     notes.append(f"model: {scheme['method'].upper()} {bits}-bit, group_size {scheme['group']}: projections {how}; the "
                  "weights figures are the sizes as loaded")

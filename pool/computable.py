@@ -27,6 +27,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
 FP8_ST_DTYPE = "F8_E4M3"  # a block-scaled FP8 checkpoint's weights (fp8_blocks)
 INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a GPTQ / AWQ linear's stored tensors (int4_scheme)
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 weight-only kernels take
+
+
+def keeps_int4(dtype: str, device_kind: str) -> bool:
+    """Whether a stage on this kind of device keeps int4 planes packed in this compute dtype (stages/quant_linear.py):
+    bfloat16 everywhere (the CUDA kernel's only dtype), float32 and float16 on the CPU too; else dequantized."""
+    return dtype == "bfloat16" or (device_kind == "cpu" and dtype in ("float32", "float16"))
 
 
 def int4_scheme(config: dict) -> dict | None:

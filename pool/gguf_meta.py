@@ -151,6 +151,7 @@ class GGUFModel:
         except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on a damaged file
             raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
         self.readers = [self.reader, *self._other_shards(gguf)]
+        self._reader_tensors = {(i, t.name): t for i, r in enumerate(self.readers) for t in r.tensors}
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHS:
             raise GGUFError(f"{self.path}: general.architecture {self.arch!r} is not computed by the stages; "
@@ -198,13 +199,7 @@ class GGUFModel:
 
     def reader_tensor(self, info: GGUFTensor) -> Any:
         """The gguf ReaderTensor that holds `info` (its data memory-mapped)."""
-        return self._by_name[info.shard, info.name]
-
-    @property
-    def _by_name(self) -> dict[tuple[int, str], Any]:
-        if not hasattr(self, "_reader_tensors"):
-            self._reader_tensors = {(i, t.name): t for i, r in enumerate(self.readers) for t in r.tensors}
-        return self._reader_tensors
+        return self._reader_tensors[info.shard, info.name]
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.get_field(key)

@@ -109,7 +109,7 @@ def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
     every 2-D weight whose rows split into whole blocks stored in it (stages/gguf_quantize.py)."""
     import gguf
 
-    from stages.gguf_quantize import quantize
+    from stages.gguf_quantize import quantizable, quantize
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -163,8 +163,7 @@ def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute_rope(t, heads if "q_proj" in name else kv_heads)
         a = t.contiguous().numpy()
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0] if qtype != "F32" else 0
-        if block and a.ndim == 2 and name.endswith(".weight") and a.shape[1] % block == 0:
+        if quantizable(name, a, qtype):
             w.add_tensor(target, quantize(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(target, a)

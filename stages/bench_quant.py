@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
-    write_result(run(p.parse_args(argv)), p.parse_args(argv).json)
+    args = p.parse_args(argv)
+    write_result(run(args), args.json)
     return 0
 
 

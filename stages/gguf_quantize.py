@@ -36,6 +36,17 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(*w.shape[:-1], w.shape[-1] // 256 * 144)
 
 
+def quantizable(name: str, w: np.ndarray, qtype: str) -> bool:
+    """Whether a writer stores tensor `name` in `qtype`: a 2-D weight (3-D: stacked experts), not a norm, whose rows
+    split into whole blocks; llama.cpp's converter keeps the rest in F32."""
+    import gguf
+
+    if qtype == "F32" or w.ndim not in (2, 3) or not name.endswith(".weight") or name.endswith("norm.weight"):
+        return False
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return w.shape[-1] % block == 0
+
+
 def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
     import gguf
 

@@ -90,8 +90,9 @@ class GGUFCheckpoint:
         dtype = dtype or self.dtype
         out: dict[str, torch.Tensor] = {}
         stacked: dict[str, torch.Tensor] = {}  # a MoE layer's stacked experts, dequantized once for all of them
+        decomposed: dict[str, Planes | None] = {}  # or decomposed into planes once for all of them
         for n in names:
-            planes = self._planes(n, stacked) if keep_quantized else None
+            planes = self._planes(n, decomposed) if keep_quantized else None
             out[n] = planes if planes is not None else self._load(n, dtype, stacked).to(device)
             if progress:
                 progress.add(self._info(n).nbytes)
@@ -112,17 +113,16 @@ class GGUFCheckpoint:
             t = unpermute_rope(t, heads)
         return t.to(dtype).contiguous()
 
-    def _planes(self, name: str, stacked: dict) -> Planes | None:
+    def _planes(self, name: str, decomposed: dict[str, Planes | None]) -> Planes | None:
         """The int4 planes of a quantized 2-D weight (one expert's rows of a stacked one), or None."""
         info = self._info(name)
         if not info.quantized or len(info.shape) != 2:
             return None
-        t = self.meta.reader_tensor(info)
-        key = ("planes", info.name)
-        if key not in stacked:  # a stacked tensor is decomposed once for all its experts
+        if info.name not in decomposed:  # a stacked tensor is decomposed once for all its experts
+            t = self.meta.reader_tensor(info)
             rows = int(t.n_elements) // info.shape[1]
-            stacked[key] = planes_from_gguf(t.tensor_type.name, t.data, (rows, info.shape[1]))
-        planes = stacked[key]
+            decomposed[info.name] = planes_from_gguf(t.tensor_type.name, t.data, (rows, info.shape[1]))
+        planes = decomposed[info.name]
         if planes is None:
             return None
         if info.expert is not None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from pool.computable import INT4_KERNEL_GROUPS
 from stages.quant_linear import Planes
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-KERNEL_GROUPS = (32, 64, 128, 256)
 
 
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -61,7 +61,7 @@ def planes(scheme: dict, t: dict[str, torch.Tensor]) -> Planes | None:
     q, z, s, g = unpack(scheme, t)
     k = q.shape[0]
     group = scheme["group"]
-    if group not in KERNEL_GROUPS or k % group or not torch.equal(g, torch.arange(k) // group):
+    if group not in INT4_KERNEL_GROUPS or k % group or not torch.equal(g, torch.arange(k) // group):
         return None
     s, offset = s.t().contiguous(), (-(z.float() * s)).t().contiguous()  # [N, groups]
     qt = q.t().to(torch.uint8)

@@ -206,15 +206,13 @@ class StageModel:
                           and kernel_dtype_ok(self.dtype, self.device))
         label = f"layers {first}-{last - 1}"
         if self.quantized:
-            w = {}
+            self.layers = []
             for g in range(first, last):
                 part = [n for n in names if n.startswith(f"model.layers.{g}.")]
-                w.update(self._pack(self._layer_weights(ckpt.tensors(part, self.device, self.dtype, label=f"layer {g}",
-                                                                     keep_quantized=True), g), prefix=f"{g}."))
+                w = ckpt.tensors(part, self.device, self.dtype, label=f"layer {g}", keep_quantized=True)
+                self.layers.append(self._pack(self._layer_weights(w, g)))
             rest = [n for n in names if not n.startswith("model.layers.")]
-            w.update(ckpt.tensors(rest, self.device, self.dtype, label=label, keep_quantized=True))
-            self.layers = [{k.split(".", 1)[1]: v for k, v in w.items() if k.startswith(f"{g}.")}
-                           for g in range(first, last)]
+            w = ckpt.tensors(rest, self.device, self.dtype, label=label, keep_quantized=True)
         else:
             w = ckpt.tensors(names, self.device, self.dtype, label=label)
             self.layers = [self._layer_weights(w, g) for g in range(first, last)]
@@ -232,15 +230,15 @@ class StageModel:
         if isinstance(self.lm_head, Planes):
             self.lm_head = pack(self.lm_head, self.dtype, self.device)
 
-    def _pack(self, layer: dict, prefix: str) -> dict:
-        """A layer's dict with its Planes packed (QuantLinear, lists of them for experts), keys under `prefix`."""
+    def _pack(self, layer: dict) -> dict:
+        """A layer's dict with its Planes packed (QuantLinear, lists of them for experts)."""
         def one(v):
             if isinstance(v, (Planes, RowStack)):
                 return pack(v, self.dtype, self.device)
             if isinstance(v, list):
                 return [one(x) for x in v]
             return v
-        return {prefix + k: one(v) for k, v in layer.items()}
+        return {k: one(v) for k, v in layer.items()}
 
     def weight_bytes(self) -> int:
         """Bytes the stage's weights take as loaded (quantized ones packed; a storage shared by views, as the

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pool.computable import keeps_int4
 from pool.gguf_meta import PLANE_COUNTS
 
 GROUP = 32
@@ -74,21 +75,14 @@ class Planes:
             w = w + v.float() * s.repeat_interleave(self.group, dim=1)
         return w.reshape(n, k)
 
-    def nbytes(self) -> int:
-        scales = sum(s.numel() for s in self.scales) + self.offset.numel()
-        return sum(v.numel() for v in self.values) // 2 + 4 * scales
-
 
 def cat_planes(parts: Sequence[Planes]) -> Planes:
-    """Rows of `parts` one after another; parts with fewer planes get zero planes."""
-    n_planes = max(len(p.values) for p in parts)
-    values, scales = [], []
-    for i in range(n_planes):
-        values.append(torch.cat([p.values[i] if i < len(p.values) else torch.zeros_like(p.values[0]) for p in parts]))
-        scales.append(torch.cat([p.scales[i] if i < len(p.scales) else torch.zeros_like(p.scales[0]) for p in parts]))
+    """Rows of `parts` one after another (as many planes and the same group size each)."""
+    if len({(len(p.values), p.group) for p in parts}) != 1:
+        raise ValueError(f"cannot fuse rows of {sorted({(len(p.values), p.group) for p in parts})} (planes, group)")
+    values = [torch.cat([p.values[i] for p in parts]) for i in range(len(parts[0].values))]
+    scales = [torch.cat([p.scales[i] for p in parts]) for i in range(len(parts[0].scales))]
     kinds = sorted({p.kind for p in parts})
-    if len({p.group for p in parts}) != 1:
-        raise ValueError(f"cannot fuse rows of different group sizes {sorted({p.group for p in parts})}")
     return Planes(values, scales, torch.cat([p.offset for p in parts]), "+".join(kinds), parts[0].group)
 
 
@@ -176,25 +170,30 @@ def planes_from_gguf(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Pla
 @lru_cache(maxsize=1)
 def cpu_layout_ok() -> bool:
     """The CPU packer stores rows [64b, 64b + 32) in the low nibbles and [64b + 32, 64b + 64) in the high ones,
-    as `[N / 64, K, 32]` bytes; `_cpu_unpack` reads that. Checked once against the packer itself."""
+    as `[N / 64, K, 32]` bytes; `_cpu_values` reads that. Checked once against the packer itself."""
     try:
         q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        return bool(torch.equal(_cpu_unpack(packed, 128, 64), q.to(torch.uint8)))
+        return bool(torch.equal(_cpu_values(packed, 128, 64), q.float()))
     except (RuntimeError, AttributeError):
         return False
 
 
-def _cpu_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    p = packed.view(n // _ROW_BLOCK, k, 32)
-    return torch.stack((p & 15, p >> 4), dim=1).transpose(2, 3).reshape(n, k)
+def _cpu_values(packed: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """The 4-bit values of a CPU-packed plane as float32 `[rows, K]`: each nibble half of a 64-row block converted
+    as it is copied into place (no unpacked uint8 copy)."""
+    p = packed.view(rows // _ROW_BLOCK, k, 32)
+    v = torch.empty(rows // _ROW_BLOCK, 2, 32, k, dtype=torch.float32)
+    v[:, 0].copy_((p & 15).transpose(1, 2))  # rows 64b .. 64b + 31
+    v[:, 1].copy_((p >> 4).transpose(1, 2))  # rows 64b + 32 .. 64b + 63
+    return v.view(rows, k)
 
 
 def kernel_dtype_ok(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `pack` keeps weights quantized for this compute dtype and device."""
-    if device.type == "cuda":
-        return dtype == torch.bfloat16
-    return dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_layout_ok()
+    """Whether `pack` keeps weights quantized for this compute dtype and device (pool/computable.keeps_int4, the
+    rule `strata config check` counts by; on the CPU also `cpu_layout_ok`)."""
+    keeps = keeps_int4(str(dtype).removeprefix("torch."), device.type)
+    return keeps and (device.type != "cpu" or cpu_layout_ok())
 
 
 class QuantLinear:
@@ -232,18 +231,13 @@ class QuantLinear:
             s.numel() * s.element_size() for s in self.scales_zeros)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight `[N, K]` in the compute dtype, from the packed bytes (CPU): each nibble half of a 64-row block
-        converted to float32 as it is copied into place, scaled and shifted in place (one rounding to the compute
-        dtype at the end, as the kernel rounds once; no unpacked uint8 copy)."""
+        """The weight `[N, K]` in the compute dtype, from the packed bytes (CPU): the values in float32, scaled and
+        shifted in place, one rounding to the compute dtype at the end (as the kernel rounds once)."""
         n, k = self.shape
-        blocks, g = self.rows // _ROW_BLOCK, self.group
+        g = self.group
         out = None
         for p, sz in zip(self.packed, self.scales_zeros):
-            bytes_ = p.view(blocks, k, 32)
-            v = torch.empty(blocks, 2, 32, k, dtype=torch.float32)
-            v[:, 0].copy_((bytes_ & 15).transpose(1, 2))  # rows 64b .. 64b + 31
-            v[:, 1].copy_((bytes_ >> 4).transpose(1, 2))  # rows 64b + 32 .. 64b + 63
-            w = v.view(self.rows, k // g, g)[:n]
+            w = _cpu_values(p, self.rows, k).view(self.rows, k // g, g)[:n]
             scale = sz[:, :n, 0].t().unsqueeze(-1).float()
             w.mul_(scale).add_(sz[:, :n, 1].t().unsqueeze(-1).float() - 8 * scale)
             out = w if out is None else out.add_(w)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.gguf_quantize import quantize
+from stages.gguf_quantize import quantizable, quantize
 
 GGUF_ARCHS = {"Qwen3ForCausalLM": "QWEN3", "Qwen2ForCausalLM": "QWEN2", "LlamaForCausalLM": "LLAMA",
               "Qwen3MoeForCausalLM": "QWEN3MOE"}
@@ -36,15 +36,6 @@ def _weights(model_dir: Path) -> dict[str, np.ndarray]:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return {k: v.astype(np.float32) for k, v in out.items()}
-
-
-def _quantizes(name: str, w: np.ndarray, qtype: str) -> bool:
-    import gguf
-
-    if qtype == "F32" or w.ndim not in (2, 3) or not name.endswith(".weight") or name.endswith("norm.weight"):
-        return False
-    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    return w.shape[1] % block == 0
 
 
 def _roundtrip(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -123,7 +114,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32", split
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, heads if "q_proj" in name else kv_heads)
         t = np.ascontiguousarray(t)
-        if _quantizes(name, t, qtype):
+        if quantizable(name, t, qtype):
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(target, quantize(t, qtype), raw_dtype=q)
         else:
@@ -144,7 +135,7 @@ def write_dequantized_checkpoint(model_dir: str | Path, qtype: str, out: str | P
     for f in model_dir.iterdir():
         if f.is_file() and not f.name.startswith("model"):
             shutil.copy(f, out / f.name)
-    weights = {k: np.ascontiguousarray(_roundtrip(v, qtype) if _quantizes(k, v, qtype) else v)
+    weights = {k: np.ascontiguousarray(_roundtrip(v, qtype) if quantizable(k, v, qtype) else v)
                for k, v in _weights(model_dir).items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -39,11 +39,9 @@ THRESHOLDS = {"F32": (0.99, 0.01, 0.95, 0.2), "Q8_0": (0.97, 0.25, 0.95, 0.3), "
 
 _CHILD = """
 import json, sys
-import llama_cpp, llama_cpp.llama as high_level
-default = llama_cpp.llama_model_default_params
-def params():
-    p = default(); p.use_extra_bufts = False; return p
-high_level.llama_cpp.llama_model_default_params = params
+import llama_cpp
+from stages.bench_peers import without_extra_bufts
+without_extra_bufts(llama_cpp)
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
 llm = llama_cpp.Llama(path, n_ctx=64, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
 out = []
