@@ -236,8 +236,8 @@ class StageLink:
             return
         step = header.get("step")
         fut = self._inflight.get(step)
-        if fut is not None and not fut.done():
-            fut.set_exception(StepFailed(step, p.index, message))
+        if fut is not None and not fut.done():  # a later stage that dropped it names the stage where it failed
+            fut.set_exception(StepFailed(step, int(header.get("origin", p.index)), message))
         elif step is None:
             event(log, "stage.error", logging.WARNING, stage=p.index, message=message)
 

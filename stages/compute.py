@@ -198,13 +198,16 @@ class Compute(threading.Thread):
             t0 = time.perf_counter()
             hidden_header, hidden_tensors, why = self.hidden.take(sid, epoch)
             self.stats["hidden_wait_s"] += time.perf_counter() - t0  # the pipeline's bubble, seen from here
+            origin = self.index
             if why is None and hidden_header.get("error"):
                 why = f"failed on an earlier stage: {hidden_header['error']}"
+                origin = int(hidden_header.get("origin", self.index - 1))
             if why is not None:
                 event(log, "step.dropped", logging.WARNING, stage=self.index, step=sid, why=why)
-                self._pass_error(sid, why)
+                self._pass_error(sid, why, origin)
                 if not self.has_next:  # the coordinator waits for this step's answer: it gets the reason
-                    self._to_coord(ident, ERROR, {"step": sid, "message": f"stage {self.index} dropped it: {why}"})
+                    self._to_coord(ident, ERROR, {"step": sid, "origin": origin,
+                                                  "message": f"stage {self.index} dropped it: {why}"})
                 return
             hidden = from_raw(hidden_tensors[0])
         tokens = from_raw(tensors[0]) if tensors else None
@@ -243,9 +246,11 @@ class Compute(threading.Thread):
         self._to_coord(ident, ERROR, {"step": sid, "message": str(err), "refused": refused})
         self._pass_error(sid, str(err))
 
-    def _pass_error(self, sid: int, message: str) -> None:
+    def _pass_error(self, sid: int, message: str, origin: int | None = None) -> None:
+        """Tell the next stage to drop step `sid`; `origin` is the stage where it failed (this one by default)."""
         if self.has_next:
-            self._to_next(encode(HIDDEN, {"step": sid, "error": message, "box": self.hidden_token,
+            origin = self.index if origin is None else origin
+            self._to_next(encode(HIDDEN, {"step": sid, "error": message, "origin": origin, "box": self.hidden_token,
                                             "session": self.session}))
 
     def _to_next(self, frames: list) -> None:
