@@ -94,84 +94,11 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "greedy_ids": greedy, "threads": torch.get_num_threads()}
 
 
-GGUF_ARCHS = {"Qwen3ForCausalLM": "QWEN3", "Qwen2ForCausalLM": "QWEN2", "LlamaForCausalLM": "LLAMA"}
-
-
-def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's LLAMA arch rotates interleaved pairs; HF Llama rotates halves: reorder q/k rows as its
-    converter does. (Qwen2/Qwen3 use the halves convention in llama.cpp too: no reorder.)"""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
-    """Write the checkpoint as a GGUF with the `gguf` package: the config as llama.cpp keys, the byte-level BPE
-    tokenizer (vocab padded to vocab_size), every tensor under llama.cpp's name; with `qtype` other than F32,
-    every 2-D weight whose rows split into whole blocks stored in it (stages/gguf_quantize.py)."""
-    import gguf
+    """The checkpoint as a GGUF file for llama.cpp (stages/gguf_write.py: the converter's layout, `qtype` weights)."""
+    from stages.gguf_write import write_gguf
 
-    from stages.gguf_quantize import quantizable, quantize
-    from safetensors.torch import load_file
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    arch_cls = cfg["architectures"][0]
-    if arch_cls not in GGUF_ARCHS:
-        raise RuntimeError(f"no GGUF export for {arch_cls}; supported: {', '.join(GGUF_ARCHS)}")
-    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHS[arch_cls])
-    heads, kv_heads, n_layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_S"}.get(qtype, f"MOSTLY_{qtype}")
-    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
-    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
-    special = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    tokens, types = [], []
-    for i in range(cfg["vocab_size"]):
-        if i in special:
-            tokens.append(special[i]); types.append(gguf.TokenType.CONTROL)
-        elif i in by_id:
-            tokens.append(by_id[i]); types.append(gguf.TokenType.NORMAL)
-        else:
-            tokens.append(f"[PAD{i}]"); types.append(gguf.TokenType.UNUSED)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    names = gguf.get_tensor_name_map(arch, n_layers)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    for name, t in tensors.items():
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise RuntimeError(f"no GGUF name for tensor {name}")
-        t = t.float()
-        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = _permute_rope(t, heads if "q_proj" in name else kv_heads)
-        a = t.contiguous().numpy()
-        if quantizable(name, a, qtype):
-            w.add_tensor(target, quantize(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
-        else:
-            w.add_tensor(target, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return write_gguf(model_dir, out, qtype)
 
 
 def cmd_llamacpp(args: argparse.Namespace) -> dict[str, Any]:

@@ -36,12 +36,20 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(*w.shape[:-1], w.shape[-1] // 256 * 144)
 
 
+# Weights llama.cpp's converter keeps in F32 whatever the file type: the MoE routers and shared-expert gates, and
+# the short convolution of a linear-attention layer.
+F32_WEIGHTS = ("mlp.gate.weight", "shared_expert_gate.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
+               "conv1d.weight")
+
+
 def quantizable(name: str, w: np.ndarray, qtype: str) -> bool:
-    """Whether a writer stores tensor `name` in `qtype`: a 2-D weight (3-D: stacked experts), not a norm, whose rows
-    split into whole blocks; llama.cpp's converter keeps the rest in F32."""
+    """Whether a writer stores tensor `name` in `qtype`: a 2-D weight (3-D: stacked experts), not a norm, router or
+    conv (F32_WEIGHTS), whose rows split into whole blocks; llama.cpp's converter keeps the rest in F32."""
     import gguf
 
     if qtype == "F32" or w.ndim not in (2, 3) or not name.endswith(".weight") or name.endswith("norm.weight"):
+        return False
+    if name.endswith(F32_WEIGHTS):
         return False
     block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     return w.shape[-1] % block == 0
