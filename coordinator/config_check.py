@@ -61,7 +61,7 @@ from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, INT4_KERNEL_GROUPS, 
                              SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, fp8_blocks, int4_scheme, keeps_int4,
                              rotary_problem, uncomputable)
 from pool.gguf_meta import int4_bytes
-from pool.layer_kinds import FULL, layer_types, state_entry_bytes
+from pool.layer_kinds import FLOAT32_HELD, FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
@@ -338,8 +338,10 @@ def _owners(name: str, n_stages: int, ranges: list[tuple[int, int]], tied: bool)
     return []
 
 
-def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], tied: bool, notes: list[str]) -> list[int]:
-    """Bytes per stage; `tensors` are (name, stored bytes, elements, is floating point)."""
+def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf: dict, notes: list[str]) -> list[int]:
+    """Bytes per stage as the stages hold them; `tensors` are (name, stored bytes, elements, is floating point);
+    FLOAT32_HELD tensors are held in float32."""
+    tied = bool(conf.get("tie_word_embeddings"))
     want = DTYPE_BYTES.get(cfg.engine.dtype)  # None for auto: as stored
     ranges = [s.layers for s in cfg.stages]
     tied = tied and all(name != "lm_head.weight" for name, *_ in tensors)
@@ -348,8 +350,11 @@ def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], tied:
         owners = _owners(name, len(ranges), ranges, tied)
         if not owners:
             stray.append(name)
+        held = numel * want if (want and is_float) else stored
+        if name.endswith(FLOAT32_HELD.get((conf.get("architectures") or [""])[0], ())):
+            held = numel * 4
         for i in owners:
-            totals[i] += numel * want if (want and is_float) else stored
+            totals[i] += held
     if stray:
         notes.append(f"{len(stray)} tensors belong to no stage and are not counted (e.g. {stray[0]})")
     return totals
@@ -450,7 +455,7 @@ def check(cfg: Config) -> Report:
             tensors = [(n, math.prod(s) * stored, math.prod(s), True) for n, s in dense_tensor_shapes(conf)]
         else:
             info = ModelInfo(**{**info.__dict__, "weights_from": "unknown"})
-    weights = _stage_weights(cfg, tensors, bool(conf.get("tie_word_embeddings")), notes) if tensors else None
+    weights = _stage_weights(cfg, tensors, conf, notes) if tensors else None
 
     e = cfg.engine
     kv_dtype = "int8" if e.kv_dtype == "int8" else (e.dtype if e.dtype != "auto" else info.dtype)

@@ -6,11 +6,21 @@ tensor infos, not the weights. Both sides use this module: the stages to load th
 (coordinator/gguf_tokenizer.py).
 
 Rules:
-- Architectures: `general.architecture` in ARCHS (llama, qwen2, qwen3, qwen3moe), mapped to the Hugging Face
+- Architectures: `general.architecture` in ARCHS (llama, qwen2, qwen3, qwen3moe, qwen3next), mapped to the Hugging Face
   class the stages compute. Anything else is refused, naming it. qwen3moe: expert_count, expert_used_count,
   expert_feed_forward_length; every layer routes and the chosen weights are normalized (norm_topk_prob) unless
   expert_weights_norm is false, as llama.cpp computes it; its stacked `ffn_{gate,up,down}_exps` [experts, rows, cols] are one Hugging Face
   name per expert (`GGUFTensor.expert`: a slice of the stacked tensor).
+- qwen3next (HYBRID_ARCHS), as llama.cpp's converter writes it: the MoE keys above plus
+  expert_shared_feed_forward_length; the linear-attention geometry from ssm.group_count (key heads),
+  ssm.time_step_rank (value heads), ssm.state_size (key head size), ssm.inner_size / value heads (value head
+  size), ssm.conv_kernel; which layers are linear from attention.recurrent_layers, else full_attention_interval;
+  rope.dimension_count is the rotary part of each head (partial_rotary_factor). Its tensors: attn_qkv (the q | k | v
+  rows in head order, each part whole) and attn_gate (z) stand for in_proj_qkvz, whose rows the checkpoint groups
+  per key head (`linear_attn.in_proj_qkv` / `in_proj_z`, which the stage fuses; a legacy ssm_in is in_proj_qkvz
+  itself); ssm_ba is in_proj_ba as stored; ssm_a is -exp(A_log) and every RMSNorm but the gated ssm_norm is stored
+  as 1 + weight (`stored_as_offset`), both undone at load (stages/gguf_weights.py); ssm_conv1d is the conv weight
+  with its middle axis squeezed; ffn_gate_inp_shexp is the shared expert's gate.
 - The config dict is what config.json would hold, built from `{arch}.*` keys: block_count,
   embedding_length, feed_forward_length, attention.head_count(_kv), attention.key_length (= head_dim; a
   value_length or rope.dimension_count that differs is refused), rope.freq_base, context_length,
@@ -38,9 +48,10 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3moe": "Qwen3MoeForCausalLM"}
+         "qwen3moe": "Qwen3MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
 PERMUTED_ARCHS = ("llama",)
-MOE_ARCHS = ("qwen3moe",)
+MOE_ARCHS = ("qwen3moe", "qwen3next")
+HYBRID_ARCHS = ("qwen3next",)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # Formats kept quantized -> int4 planes per weight (stages/quant_linear.py's decomposition).
@@ -57,6 +68,16 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
     **{f"attn_{x}.{kind}": f"self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")},
+}
+# qwen3next's own tensors: the linear-attention mixer, the shared expert, the post-attention norm.
+_HYBRID_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    **{f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")},
 }
 # A MoE layer's experts, stacked [experts, rows, cols] in one tensor each; the HF names are one per expert.
 _EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
@@ -95,14 +116,21 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf")
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name (None: no counterpart)."""
+def hf_name(name: str, arch: str = "") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name of architecture `arch` (None: no counterpart)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = {**_LAYER_NAMES, **_HYBRID_NAMES} if arch in HYBRID_ARCHS else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
+
+
+def stored_as_offset(arch: str, name: str) -> bool:
+    """Whether tensor `name` (Hugging Face) is stored as 1 + weight: llama.cpp's converter adds 1 to every
+    qwen3next RMSNorm weight that the model scales by (1 + weight), all but the linear-attention gated norm."""
+    return arch in HYBRID_ARCHS and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
 
 @dataclass(frozen=True)
@@ -171,9 +199,13 @@ class GGUFModel:
                     self.tensors[hf] = GGUFTensor(t.name, kind, shape[1:], int(t.n_bytes) // n, int(t.data_offset), e,
                                                   shard)
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             if name is None:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} has no counterpart the stages compute")
+            if name.endswith("linear_attn.conv1d.weight"):  # the converter squeezes [channels, 1, kernel]
+                shape = (shape[0], 1, shape[-1])
+            elif name.endswith("mlp.shared_expert_gate.weight"):
+                shape = (1, shape[-1])
             self.tensors[name] = GGUFTensor(t.name, kind, shape, int(t.n_bytes), int(t.data_offset), shard=shard)
         self.config = self._config()
 
@@ -253,8 +285,11 @@ class GGUFModel:
         heads = one("attention.head_count", self._need("attention.head_count"))
         hidden = int(self._need("embedding_length"))
         head_dim = int(self.arch_field("attention.key_length") or hidden // heads)
+        rotary = self.arch_field("rope.dimension_count")
         for key in ("attention.value_length", "rope.dimension_count"):
             value = self.arch_field(key)
+            if key == "rope.dimension_count" and self.arch in HYBRID_ARCHS:
+                continue  # a rotary part of each head (partial_rotary_factor), below
             if value is not None and int(value) != head_dim:
                 raise GGUFError(f"{self.path}: {self.arch}.{key}={value} differs from the head size {head_dim}; "
                                 "not computed by the stages")
@@ -288,11 +323,43 @@ class GGUFModel:
                 self._need("expert_used_count")), moe_intermediate_size=int(self._need("expert_feed_forward_length")),
                 norm_topk_prob=bool(self.arch_field("expert_weights_norm", True)), decoder_sparse_step=1,
                 mlp_only_layers=[])
+        if self.arch in HYBRID_ARCHS:
+            config.update(self._hybrid_config(head_dim, int(rotary or head_dim), config["num_hidden_layers"]))
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                           ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             if self.field(name) is not None:
                 config[key] = int(self.field(name))
         return config
+
+    def _hybrid_config(self, head_dim: int, rotary: int, n_layers: int) -> dict[str, Any]:
+        """qwen3next's keys (module docstring): the linear-attention geometry from `ssm.*`, which layers are
+        linear, the rotary part of each head, the shared expert."""
+        value_heads = int(self._need("ssm.time_step_rank"))
+        inner = int(self._need("ssm.inner_size"))
+        if inner % value_heads:
+            raise GGUFError(f"{self.path}: {self.arch}.ssm.inner_size={inner} is not a multiple of "
+                            f"ssm.time_step_rank={value_heads}")
+        if rotary > head_dim or rotary % 2:
+            raise GGUFError(f"{self.path}: {self.arch}.rope.dimension_count={rotary} is not an even part of the "
+                            f"head size {head_dim}")
+        out: dict[str, Any] = {
+            "linear_num_key_heads": int(self._need("ssm.group_count")), "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": int(self._need("ssm.state_size")), "linear_value_head_dim": inner // value_heads,
+            "linear_conv_kernel_dim": int(self._need("ssm.conv_kernel")),
+            "partial_rotary_factor": rotary / head_dim,
+            # llama.cpp computes qwen3next with the chosen experts' weights normalized, whatever the metadata says
+            "norm_topk_prob": True,
+            "shared_expert_intermediate_size": int(self._need("expert_shared_feed_forward_length")),
+        }
+        recurrent = self.arch_field("attention.recurrent_layers")
+        if recurrent is not None:
+            if len(recurrent) < n_layers:
+                raise GGUFError(f"{self.path}: {self.arch}.attention.recurrent_layers has {len(recurrent)} entries "
+                                f"for {n_layers} layers")
+            out["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
+        else:
+            out["full_attention_interval"] = int(self.arch_field("full_attention_interval", 4))
+        return out
 
     def _rope_scaling(self, n_ctx: int) -> dict[str, Any] | None:
         kind = self.arch_field("rope.scaling.type")

@@ -34,6 +34,11 @@ LINEAR_ARCHS = {"Qwen3NextForCausalLM": 4}
 LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 STATE_DTYPE_BYTES = 4  # the recurrent state is float32 whatever the model dtype
+# Tensors a stage of these architectures holds in float32 whatever the model dtype (stages/model.py): the
+# RMSNorms that scale by (1 + weight), kept as float32 1 + weight, and the linear-attention decay parameters.
+FLOAT32_HELD = {"Qwen3NextForCausalLM": ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                         "q_norm.weight", "k_norm.weight", "model.norm.weight", "linear_attn.A_log",
+                                         "linear_attn.dt_bias")}
 
 
 class LayerKindError(ValueError):

@@ -11,6 +11,8 @@ Each tensor, at load:
   int4-plane form of stages/quant_linear.py): its `Planes`, exact, for the model to pack (kept quantized);
 - any other quantized tensor: `gguf.quants.dequantize` to float32, then cast;
 - `llama` attn_q / attn_k rows are un-permuted (`unpermute_rope`), undoing llama.cpp's converter;
+- qwen3next's offset norms lose the converter's + 1 and its ssm_a (-exp(A_log)) becomes A_log again, in float32
+  before the cast (a stored 1 + w less 1 is exact for |w| <= 1);
 - one expert of a stacked MoE tensor (`ffn_*_exps`) is its slice; the stacked tensor is read and dequantized
   once per `tensors()` call, for all the experts asked for.
 """
@@ -22,7 +24,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from pool.gguf_meta import FLOAT_TYPES, PERMUTED_ARCHS, GGUFError, GGUFModel, GGUFTensor
+from pool.gguf_meta import FLOAT_TYPES, HYBRID_ARCHS, PERMUTED_ARCHS, GGUFError, GGUFModel, GGUFTensor, stored_as_offset
 from stages.checkpoint import PROGRESS_MIN_BYTES, CheckpointError, _Progress, check_computable
 from stages.quant_linear import Planes, planes_from_gguf
 
@@ -111,6 +113,10 @@ class GGUFCheckpoint:
         if self.meta.arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             t = unpermute_rope(t, heads)
+        if stored_as_offset(self.meta.arch, name):  # 1 + weight as stored (pool/gguf_meta.py)
+            t = t.float() - 1.0
+        elif self.meta.arch in HYBRID_ARCHS and name.endswith("linear_attn.A_log"):  # stored as -exp(A_log)
+            t = torch.log(-t.float())
         return t.to(dtype).contiguous()
 
     def _planes(self, name: str, decomposed: dict[str, Planes | None]) -> Planes | None:

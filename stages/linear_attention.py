@@ -41,7 +41,8 @@ Weights, fused at load from the Hugging Face names (`linear_attn.*`), names rela
 
     linear.in_proj   [2 nk dk + 2 nv dv + 2 nv, hidden]   rows q | k | v | z | b | a, each in head order
                      (in_proj_qkvz groups its rows per key head, [q_g | k_g | v_g | z_g] for g < nk, and
-                     in_proj_ba [b_g | a_g]; v_g and z_g hold the r value heads of key head g in order)
+                     in_proj_ba [b_g | a_g]; v_g and z_g hold the r value heads of key head g in order;
+                     a GGUF file's in_proj_qkv [q | k | v] and in_proj_z [z] are in head order already)
     linear.conv      [conv_dim, K]     conv1d.weight [conv_dim, 1, K]; channels q | k | v as in_proj's rows
     linear.neg_a     [nv] float32      -exp(A_log)
     linear.dt_bias   [nv] float32
@@ -56,12 +57,14 @@ import torch.nn.functional as F
 
 from pool.layer_kinds import LINEAR, LinearGeometry, layer_types
 from stages.batch import StepBatch
+from stages.quant_linear import fuse_rows, linear, take_rows
 from stages.state_pool import StatePool
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and flash-linear-attention's default)
 L2_EPS = 1e-6
-_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
-            "out_proj.weight")
+_TENSORS = ("in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+_QKVZ = ("in_proj_qkvz.weight",)  # the checkpoint's per-key-head rows
+_QKV_Z = ("in_proj_qkv.weight", "in_proj_z.weight")  # a GGUF file's head-order rows
 
 
 @dataclass(frozen=True)
@@ -82,20 +85,29 @@ class LinearSpec:
                    float(config.get("rms_norm_eps", 1e-6)))
 
 
-def linear_tensor_names(prefix: str) -> list[str]:
-    """The Hugging Face names of one linear-attention layer's mixer (`prefix` is "model.layers.{g}.")."""
-    return [f"{prefix}linear_attn.{t}" for t in _TENSORS]
+def linear_tensor_names(prefix: str, head_order: bool = False) -> list[str]:
+    """The names of one linear-attention layer's mixer (`prefix` is "model.layers.{g}."); `head_order`: the
+    q | k | v and z projections come apart in head order (a GGUF file), not as in_proj_qkvz."""
+    return [f"{prefix}linear_attn.{t}" for t in (_QKV_Z if head_order else _QKVZ) + _TENSORS]
+
+
+def _head_order(groups: int, parts: list[int]) -> torch.Tensor:
+    """Row indices that take rows grouped per key head, [p0_g | p1_g | ...] for g < groups, to the order
+    p0 (all heads) | p1 (all heads) | ..."""
+    rows = torch.arange(groups * sum(parts)).view(groups, sum(parts)).split(parts, dim=1)
+    return torch.cat([t.reshape(-1) for t in rows])
 
 
 def fuse_linear(w: dict[str, torch.Tensor], g: LinearGeometry) -> dict[str, torch.Tensor]:
     """Replace one layer's `linear_attn` projections and gates (names relative to the layer) by the fused
-    tensors of the module docstring."""
+    tensors of the module docstring; kept-quantized projections (Planes) are reordered and fused as planes."""
     nk, dk, r, dv = g.key_heads, g.key_dim, g.value_heads // g.key_heads, g.value_dim
-    qkvz = w.pop("linear_attn.in_proj_qkvz.weight")
-    hidden = qkvz.shape[-1]
-    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = w.pop("linear_attn.in_proj_ba.weight").view(nk, 2 * r, hidden).split([r, r], dim=1)
-    w["linear.in_proj"] = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)])
+    if "linear_attn.in_proj_qkvz.weight" in w:
+        parts = [take_rows(w.pop("linear_attn.in_proj_qkvz.weight"), _head_order(nk, [dk, dk, r * dv, r * dv]))]
+    else:
+        parts = [w.pop("linear_attn.in_proj_qkv.weight"), w.pop("linear_attn.in_proj_z.weight")]
+    parts.append(take_rows(w.pop("linear_attn.in_proj_ba.weight"), _head_order(nk, [r, r])))
+    w["linear.in_proj"] = fuse_rows(parts)
     w["linear.conv"] = w.pop("linear_attn.conv1d.weight").reshape(g.conv_dim, g.kernel).contiguous()
     w["linear.neg_a"] = -w.pop("linear_attn.A_log").float().exp()
     w["linear.dt_bias"] = w.pop("linear_attn.dt_bias").float()
@@ -227,7 +239,7 @@ def linear_attention(h: torch.Tensor, w: dict[str, torch.Tensor], spec: LinearSp
     nk, nv, dk, dv = g.key_heads, g.value_heads, g.key_dim, g.value_dim
     plan = _plan(batch, g.kernel)
     n = h.shape[0]
-    mixed, z, b, a = F.linear(h, w["linear.in_proj"]).split([g.conv_dim, nv * dv, nv, nv], dim=-1)
+    mixed, z, b, a = linear(h, w["linear.in_proj"]).split([g.conv_dim, nv * dv, nv, nv], dim=-1)
     conv_state, rec = state.read(layer, plan.entries, plan.fresh)
     mixed, conv_state = causal_conv(mixed, w["linear.conv"], conv_state, plan)
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
@@ -257,4 +269,4 @@ def linear_attention(h: torch.Tensor, w: dict[str, torch.Tensor], spec: LinearSp
     state.write(layer, plan.entries, conv_state, new_rec)
 
     o = gated_rms_norm(out.to(h.dtype), z.view(n, nv, dv), w["linear_attn.norm.weight"], spec.eps)
-    return F.linear(o.reshape(n, nv * dv), w["linear_attn.out_proj.weight"])
+    return linear(o.reshape(n, nv * dv), w["linear_attn.out_proj.weight"])

@@ -31,7 +31,6 @@ decodes does not hide):
     qkv.weight       [q | k | v] rows of q_proj, k_proj, v_proj        one linear for all three
                      (+ [| gate] with an output gate: q_proj's gate rows, after v)
     gate_up.weight   [gate | up] rows of gate_proj, up_proj            one linear for both
-    qk_norm.weight   [heads + kv_heads, head_dim]: q_norm per q head, k_norm per k head (Qwen3, Qwen3-MoE)
     experts.*        a sparse layer's experts stacked along a first expert axis (stages/moe.py); unlike the
                      rows above, the per-expert names do not stay in the layer's dict
 
@@ -59,7 +58,7 @@ from stages.kv_cache import KVCache
 from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
 from stages.quant_linear import (Planes, QuantEmbedding, RowStack, embed, fuse_rows, kernel_dtype_ok, linear, pack,
-                                 weight_bytes)
+                                 take_rows, weight_bytes)
 from stages.rope import Rope, apply_rope
 from stages.state_pool import StatePool
 from stages.window import StepView
@@ -152,14 +151,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     (pinned by a test); other dtypes keep transformers' order of casts.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if weight.dim() == 1:
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)  # a weight per head (qk_norm.weight)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype == torch.float32:  # a float32 (1 + weight) of a gated arch: scaled before the cast back
         return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+def qk_norm(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """`rms_norm` of every head of `qk` [T, heads + kv_heads, head_dim], scaled by q_norm on the first `heads`
+    heads and by k_norm on the rest: one normalisation over all heads, then two scalings in place (the same
+    values and casts as rms_norm per part, without a per-head copy of the weights)."""
+    if qk.dtype == torch.float32 and q_norm.dtype == torch.float32:
+        out = F.rms_norm(qk, (qk.shape[-1],), None, eps)
+    else:
+        out = qk.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+        if q_norm.dtype != torch.float32:  # scaled after the cast back, as rms_norm does in the model dtype
+            out = out.to(qk.dtype)
+    out[:, :heads] *= q_norm
+    out[:, heads:] *= k_norm
+    return out.to(qk.dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, ckpt: Checkpoint) -> torch.dtype:
@@ -282,7 +295,7 @@ class StageModel:
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             projections = [] if self.spec.is_linear(g) else [f"self_attn.{m}" for m in _ATTN]
             if self.spec.is_linear(g):
-                names += linear_tensor_names(p)
+                names += linear_tensor_names(p, ckpt.has_tensor(p + "linear_attn.in_proj_qkv.weight"))
             if self.spec.is_sparse(g):
                 names += sparse_tensor_names(p, self.spec.moe)
             else:
@@ -413,8 +426,8 @@ class StageModel:
             qkv = linear(h, w["qkv.weight"], w.get("qkv.bias"))
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:(heads + 2 * kv_heads) * head_dim].view(n, kv_heads, head_dim)
-            if "qk_norm.weight" in w:
-                qk = rms_norm(qk, w["qk_norm.weight"], eps)
+            if "self_attn.q_norm.weight" in w:
+                qk = qk_norm(qk, w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], heads, eps)
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             attn = _attend(kv, self.kv_layers[local], batch, q, k, v, self.scale,  # type: ignore[arg-type]
@@ -448,12 +461,13 @@ def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Ten
 
 def _split_gate(w: dict[str, torch.Tensor], spec: ModelSpec) -> None:
     """q_proj of a gated arch holds [q_h | gate_h] rows per head: keep the q rows, move the gate rows apart."""
+    rows = torch.arange(spec.num_heads * 2 * spec.head_dim).view(spec.num_heads, 2, spec.head_dim)
     for kind in ("weight", "bias"):
         name = f"self_attn.q_proj.{kind}"
         if name in w:
-            t = w[name].view(spec.num_heads, 2, spec.head_dim, *w[name].shape[1:])
-            w[name] = t[:, 0].reshape(spec.num_heads * spec.head_dim, *t.shape[3:])
-            w[f"self_attn.q_gate.{kind}"] = t[:, 1].reshape(spec.num_heads * spec.head_dim, *t.shape[3:])
+            q = w[name]
+            w[name] = take_rows(q, rows[:, 0].reshape(-1))
+            w[f"self_attn.q_gate.{kind}"] = take_rows(q, rows[:, 1].reshape(-1))
 
 
 def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -484,7 +498,4 @@ def _fuse(w: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor
             if fused + ".bias" in w:
                 w[p + ".bias"] = w[fused + ".bias"][at:at + rows]
             at += rows
-    if "self_attn.q_norm.weight" in w:
-        q_norm, k_norm = w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]
-        w["qk_norm.weight"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.kv_heads, -1)])
     return w

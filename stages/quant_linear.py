@@ -301,6 +301,11 @@ class RowStack:
         return y if bias is None else y + bias
 
 
+def take_rows(w: "torch.Tensor | Planes", index: torch.Tensor) -> "torch.Tensor | Planes":
+    """Rows `index` of a float weight or of kept-quantized planes (a copy)."""
+    return w.rows(index) if isinstance(w, Planes) else w[index]
+
+
 def fuse_rows(parts: Sequence[torch.Tensor | Planes]) -> torch.Tensor | Planes | RowStack:
     """The rows of `parts` as one weight: runs of Planes with as many planes are concatenated (packed as one),
     runs of float tensors too; a RowStack when more than one run remains."""

@@ -157,8 +157,9 @@ def test_config_check_figures_of_a_moe_gguf(tiny_model_factory, tmp_path) -> Non
     cuda = _box(q8, [(0, 1), (1, 2)], dtype="float32")  # float32 on CUDA: dequantized, the float sizes
     cuda["stages"][0]["device"] = "cuda:0"
     assert [s.weight_bytes for s in check(config_from_dict(cuda)).stages] == [s.weight_bytes for s in want.stages]
-    # per layer q, k, v, o, the router and 3 stacked experts; the embedding and lm_head
-    assert GGUFModel(q8).quantized_types() == {"Q8_0": 2 * 8 + 2}
+    # per layer q, k, v, o and 3 stacked experts (the router stays F32, as llama.cpp's converter keeps it); the
+    # embedding and lm_head
+    assert GGUFModel(q8).quantized_types() == {"Q8_0": 2 * 7 + 2}
 
 
 def test_config_check_refuses_a_bad_gguf(tmp_path) -> None:
@@ -177,3 +178,23 @@ def test_cli_resolves_a_gguf_file(pair, tmp_path) -> None:
     assert resolve_model_dir(config_from_dict(_box(path, [(0, 1)]))) == path
     with pytest.raises(ConfigError, match="is not a file"):
         resolve_model_dir(config_from_dict(_box(tmp_path / "none.gguf", [(0, 1)])))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_K"])
+def test_config_check_weights_of_a_qwen3_next_gguf(tiny_model_factory, tmp_path, qtype: str) -> None:
+    """qwen3next: the stages' own weight bytes (its (1 + weight) norms and decay parameters held in float32, q/k
+    norms once per head) in float32 and bfloat16; 32 value heads, so the fused linear-attention rows are whole
+    64-row blocks of the CPU packer. The state pool is counted beside the pool."""
+    from stages.checkpoint import load_checkpoint
+    from stages.model import StageModel
+
+    hf = tiny_model_factory("qwen3_next", layers=4, hidden=256, heads=32, kv_heads=16, intermediate=512, vocab=640)
+    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
+    ckpt = load_checkpoint(path)
+    for dtype in ("float32", "bfloat16"):
+        report = check(config_from_dict(_box(path, [(0, 2), (2, 4)], dtype=dtype)))
+        loaded = [StageModel(ckpt, a, b, "cpu", dtype).weight_bytes() for a, b in ((0, 2), (2, 4))]
+        assert [s.weight_bytes for s in report.stages] == loaded, dtype
+        assert report.model.arch == "Qwen3NextForCausalLM"
+        assert [s.pool_bytes > 0 for s in report.stages] == [False, True]  # layers 0-2 linear, layer 3 full
+    assert "linear-attention state" in format_report(report)

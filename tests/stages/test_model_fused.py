@@ -24,12 +24,24 @@ def test_fused_weights_are_the_checkpoints_rows_and_the_parts_are_views(tmp_path
     assert "gate_up.bias" not in w  # no MLP bias in the checkpoint: none made up
 
 
-def test_qk_norm_weight_repeats_each_norm_per_head(tmp_path):
+def test_qk_norm_is_rms_norm_per_part_without_a_per_head_copy(tmp_path):
+    """q and k heads normed together equal rms_norm of each part with its own weight, bit for bit, in float32,
+    bfloat16 and a gated arch's float32 (1 + weight) on bfloat16 rows; the stage holds q_norm and k_norm once."""
+    from stages.model import qk_norm, rms_norm
+
     ckpt = load_checkpoint(make_tiny_model(tmp_path / "m", arch="qwen3", layers=1, hidden=64, heads=4, kv_heads=2))
     w = StageModel(ckpt, 0, 1).layers[0]
-    assert w["qk_norm.weight"].shape == (6, 16)
-    assert all(torch.equal(w["qk_norm.weight"][h], w["self_attn.q_norm.weight"]) for h in range(4))
-    assert all(torch.equal(w["qk_norm.weight"][h], w["self_attn.k_norm.weight"]) for h in (4, 5))
+    assert w["self_attn.q_norm.weight"].shape == w["self_attn.k_norm.weight"].shape == (16,)
+    assert not any("qk_norm" in name for name in w)
+    g = torch.Generator().manual_seed(0)
+    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                             (torch.bfloat16, torch.float32)):
+        qk = (torch.randn(5, 6, 16, generator=g) * 3).to(x_dtype)
+        qn, kn = (1 + torch.randn(2, 16, generator=g) * 0.2).to(w_dtype)
+        got = qk_norm(qk, qn, kn, 4, 1e-6)
+        assert got.dtype == x_dtype
+        assert torch.equal(got[:, :4], rms_norm(qk[:, :4], qn, 1e-6))
+        assert torch.equal(got[:, 4:], rms_norm(qk[:, 4:], kn, 1e-6))
 
 
 def test_rotary_table_rows_equal_cos_sin_computed_per_step(tmp_path):
@@ -55,5 +67,3 @@ def test_float32_rms_norm_is_bit_for_bit_transformers_formula():
         assert torch.equal(rms_norm(x, w, 1e-6), want)
         strided = torch.cat([x, x], -1)[..., :shape[-1]]  # the same values as a strided view (a column slice)
         assert torch.equal(rms_norm(strided, w, 1e-6), want)
-        per_row = w * (1 + torch.arange(shape[-2])[:, None])  # a weight per head, as qk_norm.weight
-        assert torch.equal(rms_norm(x, per_row, 1e-6), per_row * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
