@@ -107,6 +107,18 @@ class ConversationCache:
         self.evict(older[0][1] if older else parked)
         self.entries.give(slot)
 
+    def entry_for_table(self, table: int) -> bool:
+        """Give fresh parked `table` a state entry: a free one, else the least recently used other parked
+        conversation is dropped for its entry. False when there is none to take."""
+        assert self.entries is not None
+        if self.entries.give(table):
+            return True
+        older = sorted((c.last_used, t) for t, c in self.held.items() if t >= self.n_slots and t != table)
+        if not older:
+            return False
+        self.evict(older[0][1])
+        return self.entries.give(table)
+
     def bring(self, conv: Conversation, slot: int) -> None:
         """Move held `conv` into `slot` (admission by move); the slot's own conversation takes its table."""
         if conv.table == slot:

@@ -19,8 +19,8 @@ While any stage keeps entries, the coordinator owns which entry each table's con
    from its slot or, brought in, from its parked table. A branch inside it, or a match below its end, starts
    cold; prefix sharing is off (a shared run of chunks would come without the state at its end).
 3. A (re)joined stage has no state its conversations could continue (the pool file holds K/V, not state): every
-   held conversation is dropped, counted as lost, and the entries start over. Session files are refused by such
-   stages (stages/runner.py).
+   held conversation is dropped, counted as lost, and the entries start over. A session file keeps a
+   conversation's state with its cells (coordinator/slot_files.py): a restore gives its table an entry.
 What this does not keep, against checkpoints of the state at chunk boundaries: reuse by branches (an answer
 asked again, an edited turn), which read their prompt again.
 """

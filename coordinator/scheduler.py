@@ -211,7 +211,7 @@ class Scheduler:
         A move or a shared run of full chunks, whichever coordinator/prefix_sharing.py `choose`s.
         """
         prompt = job.req.prompt
-        stateful = self._keeps_state()
+        stateful = self.keeps_state()
         match = best_match(prompt, [c for c in self.held.values() if c.table not in self.pinned])
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
@@ -259,7 +259,8 @@ class Scheduler:
         event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
         return True
 
-    def _keeps_state(self) -> bool:
+    def keeps_state(self) -> bool:
+        """Whether the stages keep linear-attention state entries (the cache then maps them to tables)."""
         return self._state_entries() > 0
 
     def _state_entries(self) -> int:

@@ -21,6 +21,9 @@ Restore (an idle slot):
      ops, LOAD {version, table}: each stage reads its part into the new table's chunks;
   4. commit: the new table moves into the slot (a swap, no copy with the pool on) and the slot's previous
      conversation, if any, is parked. If step 3 fails the new table is released: free cells are as before.
+A model with linear-attention layers: each stage's part also holds the table's state entry (stages/snapshot.py);
+a save names the slot's entry, a restore gives the new table an entry first (a free one, else the least recently
+used parked conversation's) and each stage reads the state into it.
 Errors: no `engine.slot_save_path` 501 `not_supported`; a bad filename or slot 400; a busy slot 409 `slot_busy`;
 a stage down 503 `stage_down`.
 """
@@ -124,8 +127,11 @@ async def save_slot(sched: Scheduler, slot: int, filename: object) -> dict:
     try:
         sched.send_ops()
         try:
-            answers = await _ask(sched, SAVE, {"name": name, "save_id": save_id, "version": sched.map.version,
-                                               "table": slot, "cells": len(tokens)})
+            req = {"name": name, "save_id": save_id, "version": sched.map.version, "table": slot,
+                   "cells": len(tokens)}
+            if sched.keeps_state():  # the slot's state entry is saved with its cells (linear_state.py)
+                req["state"] = sched.cache.entries.of[slot]
+            answers = await _ask(sched, SAVE, req)
             try:
                 nbytes = write_tokens(part_path(directory, name), {**_fields(sched), "save_id": save_id}, tokens)
             except OSError as err:
@@ -167,8 +173,16 @@ async def restore_slot(sched: Scheduler, slot: int, filename: object) -> dict:
         table = sched.cache.park_table()
         if table is None or not sched.cache.reserve(table, n):
             raise EngineError.kv_pool_full(n, sched.map.free_cells, sched.cfg.coordinator.retry_after_s)
+        load = {**req, "table": table}
+        if sched.keeps_state():
+            if not sched.cache.entry_for_table(table):
+                raise EngineError(503, "kv_pool_full", f"no linear-attention state entry is free for the restore: "
+                                  f"all {sched.cache.entries.n_entries} are held by slots (engine.state_entries); "
+                                  f"retry in {sched.cfg.coordinator.retry_after_s} s",
+                                  retry_after=sched.cfg.coordinator.retry_after_s)
+            load["state"] = sched.cache.entries.of[table]
         sched.send_ops()
-        answers = await _ask(sched, LOAD, {**req, "version": sched.map.version, "table": table})
+        answers = await _ask(sched, LOAD, {**load, "version": sched.map.version})
         conv = Conversation(table, tokens)
         sched.held[table] = conv
         table = None

@@ -22,7 +22,8 @@ Rules:
   a crash the coordinator keeps exactly the conversations whose chunks this file still holds for them. They
   belong to one coordinator session: `reset(session)` zeroes them when the file names another session.
 - Session files (stages/snapshot.py): `save_session` writes cells [0, cells) of a table to this stage's part,
-  `restore_session` checks a part (`check`) or reads it into a table's cells. Names are joined to this
+  `restore_session` checks a part (`check`) or reads it into a table's cells; with linear-attention layers the
+  request names the table's state entry (`state`), saved and read with the cells. Names are joined to this
   stage's own `engine.slot_save_path`, never taken as paths.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .checkpoint import load_checkpoint
 from .kv_cache import KVCache, kv_dtype_name
 from .model import StageModel, resolve_dtype
 from .snapshot import arrays_of, check_part, load_part, save_part
+from .state_pool import StatePool
 from .tensors import pool_array
 from .window import DeviceWindow
 
@@ -256,9 +258,6 @@ class StageRunner:
         directory = self.cfg.engine.slot_save_path
         if not directory:
             raise SnapshotError("session files are disabled on this stage (engine.slot_save_path is not set)")
-        if self.state is not None:
-            raise SnapshotError("session files do not hold linear-attention state; this stage has "
-                                f"{self.model.num_linear_layers} linear-attention layers")
         cells = req["cells"]
         if not 0 < cells <= self.max_context:
             raise SnapshotError(f"{cells} cells: a session file holds 1..max_context={self.max_context} cells")
@@ -267,7 +266,19 @@ class StageRunner:
                   "config_fp": snapshot_fingerprint(e.dtype, e.kv_dtype, [s.layers for s in self.cfg.stages]),
                   "kv_dtype": self.kv_dtype, "stage": self.index, "layers": [self.first, self.last],
                   "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim, "arrays": arrays_of(self.kv)}
+        if self.state is not None:  # the table's state entry travels with its cells (stages/snapshot.py)
+            fields["state"] = {"linear_layers": self.state.n_layers, "entry_nbytes": self.state.entry_nbytes}
         return part_path(directory, req["name"], self.index, req["save_id"]), cells, fields
+
+    def _state_of(self, req: dict) -> tuple[StatePool, int] | None:
+        """(state pool, entry) a SAVE or LOAD of a table names on a stage with linear-attention layers."""
+        if self.state is None:
+            return None
+        e = req.get("state")
+        if not isinstance(e, int) or not 0 <= e < self.state.n_entries:
+            raise SnapshotError(f"this stage keeps linear-attention state: the request must name the table's "
+                                f"state entry (0..{self.state.n_entries - 1}), got {e!r}")
+        return self.state, e
 
     def _check_version(self, req: dict) -> None:
         if req.get("version") != self.mirror.version:
@@ -292,16 +303,16 @@ class StageRunner:
             return 0
         path, cells, fields = self._part(req)
         self._check_version(req)
-        return save_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields)
+        return save_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields, self._state_of(req))
 
     def restore_session(self, req: dict) -> int:
         """LOAD {name, save_id, cells, check} checks this stage's part; LOAD {..., version, table} (no check)
         also reads it into the table's cells. Returns the part's bytes."""
         path, cells, fields = self._part(req)
-        if req.get("check"):
-            return check_part(self.kv, path, cells, fields)
+        if req.get("check"):  # sizes only: no entry is read or written
+            return check_part(self.kv, path, cells, fields, None if self.state is None else (self.state, 0))
         self._check_version(req)
-        return load_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields)
+        return load_part(self.kv, self.mirror.entries(req["table"]), cells, path, fields, self._state_of(req))
 
     # ---- steps ---------------------------------------------------------------------------------------
     def check_step(self, header: dict) -> None:

@@ -3,8 +3,8 @@
 client, against transformers' greedy tokens on the same checkpoint. The conversation rules of
 coordinator/linear_state.py: a held conversation continued whole reuses its cells and its state, in its slot or
 parked and brought back (the state entry follows the table); a prompt that branches inside it starts cold (a
-state cannot be rewound); concurrent requests give their solo tokens; a restarted stage drops every held
-conversation. Two slots, three state entries."""
+state cannot be rewound); concurrent requests give their solo tokens; a session file keeps the state with the
+cells; a restarted stage drops every held conversation. Two slots, three state entries."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -26,7 +26,8 @@ MAX = 10
 def hybrid(tiny_model_factory):
     model = tiny_model_factory("qwen3_next", layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
     root = Path(tempfile.mkdtemp(prefix="sl", dir="/tmp"))
-    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024, "parallel": 2, "state_entries": 3})
+    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024, "parallel": 2, "state_entries": 3,
+                                  "slot_save_path": str(root / "saves")})
     server.start()
     yield server
     server.stop()
@@ -82,6 +83,36 @@ def test_concurrent_requests_give_their_solo_tokens(hybrid):
     with cf.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: complete(hybrid, p)[0], prompts))
     assert together == solo
+
+
+def slot_action(server: Server, action: str, slot: int | None = None, filename: str | None = None):
+    path = "/slots" if slot is None else f"/slots/{slot}"
+    r = server.http.post(path, params={"action": action}, json=None if filename is None else {"filename": filename})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_saved_conversation_restores_with_its_state_and_continues_exactly(hybrid):
+    """Stage 0 (linear layers only) saves just the state entry, stage 1 its cells and its entry; a restore into
+    the other slot after both slots computed other prompts continues as transformers does, reusing the whole
+    conversation (a stage refuses to continue an entry that does not hold exactly its tokens)."""
+    a = [50 + 2 * k for k in range(33)]
+    ids, _ = want(hybrid, a)
+    slot_action(hybrid, "erase")
+    complete(hybrid, a)
+    held = [s for s in hybrid.live()["kv_pool"]["slots"] if s["tokens"] == len(a) + MAX - 1]
+    assert len(held) == 1, hybrid.live()["kv_pool"]["slots"]
+    slot = held[0]["slot"]
+    saved = slot_action(hybrid, "save", slot, "hybrid")
+    assert saved["n_saved"] == len(a) + MAX - 1
+    slot_action(hybrid, "erase")
+    for i in range(2):  # both slots' entries and cells now hold other conversations
+        other = [200 + 5 * i + k for k in range(30)]
+        assert complete(hybrid, other)[:2] == (want(hybrid, other)[1], 0)
+    restored = slot_action(hybrid, "restore", 1 - slot, "hybrid")
+    assert (restored["n_restored"], restored["n_read"]) == (saved["n_saved"], saved["n_written"]), restored
+    turn = a + ids + [5, 6]
+    assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(a) + MAX - 1, "length")
 
 
 def test_a_restarted_stage_drops_the_held_conversations(hybrid):

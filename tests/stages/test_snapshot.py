@@ -1,5 +1,6 @@
-"""stages/snapshot.py and the runner's part in saves and crashes: K/V cells to a part and back through any
-table and any chunk size, damaged parts refused before a byte is written, generations kept per session."""
+"""stages/snapshot.py and the runner's part in saves and crashes: K/V cells (and a linear-attention state entry)
+to a part and back through any table and any chunk size, damaged parts refused before a byte is written,
+generations kept per session."""
 from __future__ import annotations
 
 import shutil
@@ -9,10 +10,12 @@ import pytest
 import torch
 
 from pool.config import config_from_dict
+from pool.layer_kinds import LinearGeometry
 from pool.snapshot import SnapshotError
 from stages.kv_cache import KVCache
 from stages.runner import StageRunner, StaleStep
 from stages.snapshot import check_part, load_part, save_part
+from stages.state_pool import UNKNOWN, StatePool
 
 HEADER = {"save_id": "s1", "model_fp": "m", "config_fp": "c", "kv_dtype": "float32", "n_stages": 1}
 
@@ -161,3 +164,41 @@ def test_save_and_restore_go_through_the_mirror_and_refuse_stale_versions(model_
             off.save_session({"name": "c", "save_id": "a" * 32, "version": 0, "table": 0, "cells": 4})
     finally:
         off.close()
+
+
+def states(n_entries: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> StatePool:
+    pool = StatePool(n_entries, 3, LinearGeometry(key_heads=2, value_heads=4, key_dim=8, value_dim=8, kernel=4), dtype)
+    g = torch.Generator().manual_seed(seed)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=g))
+    return pool
+
+
+@pytest.mark.parametrize("empty_kv", [False, True])
+def test_a_state_entry_comes_back_with_its_cells_into_another_entry(tmp_path: Path, empty_kv: bool) -> None:
+    """A stage with linear-attention layers (with or without full-attention layers) saves one entry's conv and
+    recurrent state after the cells; reading it sets only the target entry, holding exactly the cells' tokens."""
+    src = KVCache(0, 8, 16, 2, 8, "float32", "cpu", 4, 4) if empty_kv else cache()
+    fill(src, 1)
+    pool, n, part = states(3, 1), 37, tmp_path / "c.stage0"
+    with pytest.raises(SnapshotError, match="state entry 2 holds the state after 0 tokens, not that of the 37"):
+        save_part(src, [5, 2, 7, 8], n, part, HEADER, (pool, 2))
+    pool.tokens[2] = n
+    nbytes = save_part(src, [5, 2, 7, 8], n, part, HEADER, (pool, 2))
+    assert nbytes == part.stat().st_size > n * src.bytes_per_cell + pool.entry_nbytes
+    other = states(3, 2)
+    with pytest.raises(SnapshotError, match="the header is corrupt"):  # a part without the entry's bytes
+        check_part(src, part, n, HEADER)
+    assert check_part(src, part, n, HEADER, (other, 0)) == nbytes
+    conv, recurrent, tokens = other.conv.clone(), other.recurrent.clone(), list(other.tokens)
+    load_part(src, [3, 0, 4], n, part, HEADER, (other, 1))
+    assert torch.equal(other.conv[1], pool.conv[2]) and torch.equal(other.recurrent[1], pool.recurrent[2])
+    for e in (0, 2):  # the other entries are untouched
+        assert torch.equal(other.conv[e], conv[e]) and torch.equal(other.recurrent[e], recurrent[e])
+    assert other.tokens == [tokens[0], n, tokens[2]]
+    flip = bytearray(part.read_bytes())
+    flip[-1] ^= 0x40
+    part.write_bytes(bytes(flip))
+    with pytest.raises(SnapshotError, match="hash"):
+        load_part(src, [3, 0, 4], n, part, HEADER, (other, 1))
+    assert other.tokens[1] == UNKNOWN  # garbage in the entry: no step may continue it
