@@ -133,17 +133,24 @@ def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> Non
 def test_config_check_weights_are_the_loaded_stages(tiny_model_factory, tmp_path, qtype: str, tied: bool) -> None:
     """The oracle is the stage itself: StageModel.weight_bytes() of each stage's layers, kept quantized, in
     float32 and bfloat16 (every row count a multiple of the CPU packer's 64-row block)."""
+    hf = tiny_model_factory("llama", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=640,
+                            tie_embeddings=tied)
+    checks_as_loaded(write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype))
+
+
+def checks_as_loaded(path) -> list:
+    """strata config check of `path` over stages [0, 2) and [2, 4), in float32 and bfloat16: each stage's weight
+    bytes equal StageModel.weight_bytes() of those layers; returns the two reports."""
     from stages.checkpoint import load_checkpoint
     from stages.model import StageModel
 
-    hf = tiny_model_factory("llama", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=640,
-                            tie_embeddings=tied)
-    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
-    ckpt = load_checkpoint(path)
+    ckpt, reports = load_checkpoint(path), []
     for dtype in ("float32", "bfloat16"):
         report = check(config_from_dict(_box(path, [(0, 2), (2, 4)], dtype=dtype)))
         loaded = [StageModel(ckpt, a, b, "cpu", dtype).weight_bytes() for a, b in ((0, 2), (2, 4))]
         assert [s.weight_bytes for s in report.stages] == loaded, dtype
+        reports.append(report)
+    return reports
 
 
 def test_config_check_figures_of_a_moe_gguf(tiny_model_factory, tmp_path) -> None:
@@ -185,16 +192,8 @@ def test_config_check_weights_of_a_qwen3_next_gguf(tiny_model_factory, tmp_path,
     """qwen3next: the stages' own weight bytes (its (1 + weight) norms and decay parameters held in float32, q/k
     norms once per head) in float32 and bfloat16; 32 value heads, so the fused linear-attention rows are whole
     64-row blocks of the CPU packer. The state pool is counted beside the pool."""
-    from stages.checkpoint import load_checkpoint
-    from stages.model import StageModel
-
     hf = tiny_model_factory("qwen3_next", layers=4, hidden=256, heads=32, kv_heads=16, intermediate=512, vocab=640)
-    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
-    ckpt = load_checkpoint(path)
-    for dtype in ("float32", "bfloat16"):
-        report = check(config_from_dict(_box(path, [(0, 2), (2, 4)], dtype=dtype)))
-        loaded = [StageModel(ckpt, a, b, "cpu", dtype).weight_bytes() for a, b in ((0, 2), (2, 4))]
-        assert [s.weight_bytes for s in report.stages] == loaded, dtype
+    for report in checks_as_loaded(write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)):
         assert report.model.arch == "Qwen3NextForCausalLM"
         assert [s.pool_bytes > 0 for s in report.stages] == [False, True]  # layers 0-2 linear, layer 3 full
     assert "linear-attention state" in format_report(report)
