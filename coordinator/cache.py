@@ -15,7 +15,8 @@ Rules:
   chunk it shares with another table is freed only by the last holder); when those do not cover it, the
   chunks only held conversations share count too (`pool.policy.shared_eviction_plan`).
 - A model with linear-attention state: each table's state entry moves with its chunks (`entries`,
-  coordinator/linear_state.py rule 1); a park with no entry free drops an older parked conversation.
+  coordinator/linear_state.py rule 1), and so do its state checkpoints (coordinator/state_checkpoints.py); a
+  park with no entry free drops an older parked conversation.
 - `share(slot, chunks)` maps a shared run of full chunks (pool/chunk_map.py rules 12-17) into an empty slot;
   releasing or evicting a table drops its references, and frees only the chunks no other table holds.
 """
@@ -57,6 +58,8 @@ class ConversationCache:
         """Drop what `table` holds (a parked table is dropped with it)."""
         self.held.pop(table, None)
         self.map.release(table)
+        if self.entries is not None:
+            self.entries.checkpoints.drop(table)
         if table >= self.n_slots:
             self.map.drop_table(table)
             if self.entries is not None:

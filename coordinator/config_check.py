@@ -22,9 +22,10 @@ Figures per stage (exact bytes; GiB = 2^30 bytes in the table):
   frames are a second host array, and there is no device figure).
 - scratch (CUDA): `pool.window_plan.scratch_bytes`, the device memory a step's transient tensors are
   given, from the model's hidden, intermediate, heads, KV heads, head_dim and vocab (last stage).
-- state: on a stage with linear-attention layers, `engine.state_entries` (default 2 x parallel) entries of
+- state: on a stage with linear-attention layers, `engine.state_entries` (default 2 x parallel) entries, and
+  `engine.state_checkpoints` (default 2 x parallel) more for checkpoints at chunk boundaries, of
   `pool.layer_kinds.state_entry_bytes` each (conv state in the compute dtype, recurrent state in float32), in
-  the stage's device memory (coordinator/linear_state.py).
+  the stage's device memory (coordinator/linear_state.py, coordinator/state_checkpoints.py).
 - device (CUDA): weights + window + scratch + state, what the card must hold besides the CUDA context; a note
   per CUDA stage spells it out beside the pinned host pool.
 - baseline: (parallel + 1) x max_context cells at the same bytes per cell: what each stage would hold
@@ -119,7 +120,8 @@ class StageFigures:
     scratch_bytes: int | None = None  # CUDA only; None elsewhere or when the geometry is incomplete
     device_bytes: int | None = None   # CUDA: weights + window + scratch + state; None elsewhere or when unknown
     state_entries: int = 0      # linear-attention state entries (0: the stage has no linear layer)
-    state_bytes: int = 0        # state_entries x one entry (pool/layer_kinds.state_entry_bytes), on the device
+    state_bytes: int = 0        # (state_entries + state_checkpoints) x one entry (layer_kinds.state_entry_bytes)
+    state_checkpoints: int = 0  # more entries for checkpoints at chunk boundaries (coordinator/state_checkpoints.py)
 
 
 @dataclass
@@ -378,15 +380,16 @@ def _stage_figures(cfg: Config, i: int, info: ModelInfo, per_cell: int, kv_dtype
     frames = plan_frames(e, s.device, frame, i)  # free memory unknown: "auto" is the whole pool
     window = window_bytes(frames, frame)
     entries = e.n_state_entries if entry_bytes else 0
+    checkpoints = e.n_state_checkpoints if entry_bytes else 0
     scratch = device = None
     if cuda and info.intermediate is not None and info.vocab is not None:
         is_last = i == len(cfg.stages) - 1
         scratch = scratch_bytes(e, Geometry(info.hidden, info.intermediate, info.heads, info.kv_heads, info.head_dim,
                                             info.vocab, is_last))
-        device = None if weight_bytes is None else weight_bytes + window + scratch + entries * entry_bytes
+        device = None if weight_bytes is None else weight_bytes + window + scratch + (entries + checkpoints) * entry_bytes
     return StageFigures(i, s.device, s.layers, weight_bytes, pool_bytes, e.n_chunks * e.chunk_cells,
                         baseline_cells * n_layers * per_cell, cuda, frames, frames * e.chunk_cells, window, scratch,
-                        device, entries, entries * entry_bytes)
+                        device, entries, (entries + checkpoints) * entry_bytes, checkpoints)
 
 
 def _memory_notes(cfg: Config, stages: list[StageFigures]) -> list[str]:
@@ -534,9 +537,11 @@ def format_report(report: Report) -> str:
                      f"(parallel + 1) x max_context = {report.baseline_cells} cells: {s.baseline_bytes} B "
                      f"({_gib(s.baseline_bytes)} GiB)")
         if s.state_entries:
+            n = s.state_entries + s.state_checkpoints
             lines.append(f"stage {s.index}: linear-attention state {s.state_entries} entries (engine.state_entries) "
-                         f"x {s.state_bytes // s.state_entries} B = {s.state_bytes} B ({_gib(s.state_bytes)} GiB, "
-                         f"in {'device' if s.pinned else 'host'} memory)")
+                         f"+ {s.state_checkpoints} checkpoints (engine.state_checkpoints) x {s.state_bytes // n} B "
+                         f"= {s.state_bytes} B ({_gib(s.state_bytes)} GiB, in {'device' if s.pinned else 'host'} "
+                         "memory)")
         if s.window_frames:
             line = (f"stage {s.index}: window {s.window_frames} frames = {s.window_cells} cells, + 1 trash frame: "
                     f"{s.window_bytes} B")

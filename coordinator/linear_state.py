@@ -15,20 +15,20 @@ While any stage keeps entries, the coordinator owns which entry each table's con
    least recently used other parked conversation is dropped for its entry, and with no other parked one the
    conversation just parked is dropped instead (its entry stays with the slot). Bringing a parked conversation
    into a slot swaps the two tables' entries as it swaps their chunks; a dropped parked table frees its entry.
-2. A held conversation is reused only by a prompt that continues it whole (its entry holds exactly its tokens),
-   from its slot or, brought in, from its parked table. A branch inside it, or a match below its end, starts
-   cold; prefix sharing is off (a shared run of chunks would come without the state at its end).
+2. A held conversation is reused by a prompt that continues it whole (its entry holds exactly its tokens), from
+   its slot or, brought in, from its parked table. A branch inside it, or a match below its end, reuses the
+   longest checkpoint of its state at a chunk boundary below the branch (coordinator/state_checkpoints.py), or
+   starts cold; prefix sharing is off (a shared run of chunks would come without the state at its end).
 3. A (re)joined stage has no state its conversations could continue (the pool file holds K/V, not state): every
    held conversation is dropped, counted as lost, and the entries start over. A session file keeps a
    conversation's state with its cells (coordinator/slot_files.py): a restore gives its table an entry.
-What this does not keep, against checkpoints of the state at chunk boundaries: reuse by branches (an answer
-asked again, an edited turn), which read their prompt again.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from .conversations import Match
+from .state_checkpoints import StateCheckpoints
 
 
 def state_entries(stage_hello: Callable[[int], dict | None], n_stages: int) -> int:
@@ -38,20 +38,31 @@ def state_entries(stage_hello: Callable[[int], dict | None], n_stages: int) -> i
     return min(kept) if kept else 0
 
 
-def reusable(match: Match | None) -> Match | None:
-    """Rule 2: `match` when the prompt continues its conversation whole."""
-    if match is None or match.reuse < len(match.conversation.tokens):
-        return None
-    return match
+def reusable(match: Match | None, checkpoints: StateCheckpoints) -> Match | None:
+    """Rule 2: `match` when the prompt continues its conversation whole; else cut to the longest checkpoint of
+    its state at or below the match (coordinator/state_checkpoints.py rule 4), or None."""
+    if match is None or match.reuse >= len(match.conversation.tokens):
+        return match
+    best = checkpoints.best(match.conversation.table, match.reuse)
+    return None if best is None else Match(match.conversation, best[0])
+
+
+def state_checkpoints(stage_hello: Callable[[int], dict | None], n_stages: int) -> int:
+    """The fewest checkpoint entries any stage that keeps state reports (coordinator/state_checkpoints.py)."""
+    counts = [int(h.get("state_checkpoints") or 0) for h in (stage_hello(i) or {} for i in range(n_stages))
+              if h.get("state_entries")]
+    return min(counts) if counts else 0
 
 
 class StateEntries:
-    """Which state entry each table (slot or parked) holds (rule 1); the cache keeps it in step with the map."""
+    """Which state entry each table (slot or parked) holds (rule 1), and its checkpoints (entries numbered after
+    these, coordinator/state_checkpoints.py); the cache keeps both in step with the map."""
 
-    def __init__(self, n_entries: int, n_slots: int) -> None:
+    def __init__(self, n_entries: int, n_slots: int, n_checkpoints: int = 0, chunk_cells: int = 1) -> None:
         if n_entries < n_slots:
             raise ValueError(f"{n_entries} state entries for {n_slots} slots: every slot needs one")
         self.n_entries, self.n_slots = n_entries, n_slots
+        self.checkpoints = StateCheckpoints(n_entries, n_checkpoints, chunk_cells)
         self.of: dict[int, int] = {s: s for s in range(n_slots)}  # table -> entry
         self.free: list[int] = list(range(n_entries - 1, n_slots - 1, -1))  # popped from the end: lowest first
 
@@ -62,9 +73,11 @@ class StateEntries:
             self.of[a] = eb
         if ea is not None:
             self.of[b] = ea
+        self.checkpoints.swap(a, b)
 
     def drop(self, table: int) -> None:
-        """A dropped parked table's entry becomes free."""
+        """A dropped parked table's entry becomes free (and its checkpoints)."""
+        self.checkpoints.drop(table)
         e = self.of.pop(table, None)
         if e is not None:
             self.free.append(e)

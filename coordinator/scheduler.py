@@ -70,6 +70,7 @@ class Job:
     cancelled: bool = False
     done: bool = False
     matcher: Matcher | None = None  # the request's grammar position, when it has a grammar
+    restore: int | None = None  # a state checkpoint its first step copies into the slot's entry (pinned till then)
 
     @property
     def prefilling(self) -> bool:
@@ -216,7 +217,7 @@ class Scheduler:
         if match is not None and not worth_taking(match, len(prompt)):
             match = None
         if stateful:
-            match = linear_state.reusable(match)
+            match = linear_state.reusable(match, self.cache.entries.checkpoints)
         shared = [] if stateful else shared_run(self, prompt)
         kept = kept_by_move(self, match) if match else 0
         how = choose(match, kept, len(shared) * self.map.chunk_cells, len(prompt))
@@ -230,9 +231,11 @@ class Scheduler:
             slot = self._idle_slot()
             if slot is None:
                 return False
-        reuse = 0
+        reuse, restore = 0, None
         if match is not None:
             reuse = match.reuse
+            if stateful and reuse < len(match.conversation.tokens):  # a branch: from a checkpoint of its state
+                restore = self.cache.entries.checkpoints.best(match.conversation.table, reuse)[1]
             self.cache.bring(match.conversation, slot)
         elif slot in self.held:
             self.cache.park(slot)
@@ -242,8 +245,15 @@ class Scheduler:
         if shared:
             self.cache.share(slot, shared)
             reuse = len(shared) * self.map.chunk_cells
+        if stateful:
+            self.cache.entries.checkpoints.trim(slot, reuse)  # state_checkpoints.py rule 3
+            if restore is not None:
+                self.cache.entries.checkpoints.pin(restore)
         if not self.cache.reserve(slot, len(prompt)):
-            if reuse and not shared:
+            if restore is not None:  # the slot's entry does not hold prompt[:reuse]: nothing to keep
+                self.cache.entries.checkpoints.unpin(restore)
+                self.cache.release(slot)
+            elif reuse and not shared:
                 self.cache.hold(slot, list(prompt[:reuse]))
             else:
                 self.cache.release(slot)
@@ -254,7 +264,7 @@ class Scheduler:
                 EngineError.kv_pool_full(len(prompt), self.map.free_cells, self.cfg.coordinator.retry_after_s)
             )
             return True
-        job.slot, job.fed, job.cached = slot, reuse, reuse
+        job.slot, job.fed, job.cached, job.restore = slot, reuse, reuse, restore
         self.jobs[slot] = job
         event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
         return True
@@ -268,8 +278,12 @@ class Scheduler:
         made on first sight (coordinator/linear_state.py)."""
         n = linear_state.state_entries(self.link.stage_hello, len(self.cfg.stages))
         if n and self.cache.entries is None:
-            self.cache.entries = linear_state.StateEntries(n, self.parallel)
+            self.cache.entries = self._new_entries(n)
         return n
+
+    def _new_entries(self, n: int) -> linear_state.StateEntries:
+        k = linear_state.state_checkpoints(self.link.stage_hello, len(self.cfg.stages))
+        return linear_state.StateEntries(n, self.parallel, k, self.map.chunk_cells)
 
     # ---- grammars ----------------------------------------------------------------------------------
     async def _matcher(self, req: GenRequest) -> Matcher:
@@ -295,6 +309,11 @@ class Scheduler:
         ready.sort(key=lambda j: (j.prefilling, j.slot))  # decoders first: they are cheap and latency-bound
         budget = self.cfg.engine.prefill_chunk
         slots, tokens, members, sampling, masks = [], [], [], {}, {}
+        c, checkpoints = self.map.chunk_cells, None  # state checkpoints at chunk boundaries (state_checkpoints.py)
+        if self.cache.entries is not None and self.cache.entries.checkpoints.count:
+            checkpoints = self.cache.entries.checkpoints
+        restores: list[list[int]] = []
+        keeps: list[list[int]] = []
         for job in ready[:cap]:
             start = job.fed
             todo = len(job.tokens) - start
@@ -302,6 +321,8 @@ class Scheduler:
                 if budget <= 0:
                     continue
                 n = min(todo, budget)
+                if checkpoints is not None:
+                    n = min(n, (start // c + 1) * c - start)  # a piece ends at the next boundary (rule 2)
                 budget -= n
             else:
                 n = 1
@@ -320,6 +341,14 @@ class Scheduler:
                 if params.get("repetition_penalty", 1.0) != 1.0:
                     params["history"] = list(job.req.prompt)
                 sampling[job.slot] = params
+            if checkpoints is not None:
+                if job.restore is not None:
+                    restores.append([job.restore, self.cache.entries.of[job.slot]])
+                    checkpoints.unpin(job.restore)
+                    job.restore = None
+                kept = checkpoints.keep(job.slot, start + n)
+                if kept is not None:
+                    keeps.append([len(slots), kept])
             slots.append([job.slot, start, n, sample])
             tokens.extend(job.tokens[start : start + n])
             members.append(job)
@@ -330,6 +359,10 @@ class Scheduler:
             header["masks"] = masks
         if self.cache.entries is not None:
             header["states"] = self.cache.entries.rows([row[0] for row in slots])
+        if restores:  # coordinator/state_checkpoints.py rules 1 and 4
+            header["restore"] = restores
+        if keeps:
+            header["keep"] = keeps
         return header, tokens, members
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
@@ -401,10 +434,13 @@ class Scheduler:
         if slot is None or self.jobs[slot] is not job:
             return
         self.jobs[slot] = None
+        if job.restore is not None:  # ended before its first step: the slot's entry holds another state
+            self.cache.entries.checkpoints.unpin(job.restore)
+            keep = False
         if keep and job.fed > 0:
             self.cache.hold(slot, job.tokens[: job.fed], answer_at=len(job.req.prompt))
         else:
-            self.map.release(slot)
+            self.cache.release(slot)
         self._wake.set()
 
     def _cancel(self, job: Job) -> None:
@@ -442,7 +478,7 @@ class Scheduler:
         for table in lost:
             self.cache.release(table)
         if n_entries:
-            self.cache.entries = linear_state.StateEntries(n_entries, self.parallel)  # they start over
+            self.cache.entries = self._new_entries(n_entries)  # they start over, checkpoints too
         self.counters["lost"] += len(lost)
         event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
               reattached=hello.get("pool", {}).get("reattached"))

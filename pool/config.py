@@ -95,6 +95,9 @@ class EngineConfig(_Strict):
     # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
     # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
     state_entries: int = Field(0, ge=0)
+    # More entries per such stage for copies of the state at chunk boundaries, so a prompt that branches inside a
+    # held conversation reuses its prefix (coordinator/state_checkpoints.py); None = 2 x parallel, 0 = none.
+    state_checkpoints: int | None = Field(None, ge=0)
 
     @field_validator("device_cells")
     @classmethod
@@ -106,6 +109,10 @@ class EngineConfig(_Strict):
     @property
     def n_state_entries(self) -> int:
         return self.state_entries or 2 * self.parallel
+
+    @property
+    def n_state_checkpoints(self) -> int:
+        return 2 * self.parallel if self.state_checkpoints is None else self.state_checkpoints
 
     @model_validator(mode="after")
     def _an_entry_per_slot(self) -> "EngineConfig":

@@ -144,7 +144,7 @@ class StageRunner:
         self.window = self._window(layout)
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
-        self.state = self.model.new_state_pool(e.n_state_entries)
+        self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints)
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
         if self.model.is_last:
@@ -200,7 +200,8 @@ class StageRunner:
             "pid": os.getpid(),
             "version": self.mirror.version,
             "vocab": self.model.vocab_size,  # logits per sampled row: the size of a grammar mask
-            "state_entries": self.state.n_entries if self.state is not None else 0,  # coordinator/linear_state.py
+            "state_entries": e.n_state_entries if self.state is not None else 0,  # coordinator/linear_state.py
+            "state_checkpoints": e.n_state_checkpoints if self.state is not None else 0,  # state_checkpoints.py
             "weight_bytes": self.model.weight_bytes(),  # as loaded (GGUF weights kept quantized: packed)
             "generations": list(self.memory.generations[: e.n_chunks]),
         }
@@ -348,11 +349,22 @@ class StageRunner:
         x = tokens if self.model.is_first else hidden
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
+        keep = header.get("keep") or []
+        if any(not 0 <= int(row) < len(slots) for row, _ in keep):
+            raise ValueError(f"step {sid}: keep {keep} names a row outside its {len(slots)} slots")
+        keeps = [[batch.state_entries[int(row)], dst] for row, dst in keep]
+        if self.state is not None:  # state checkpoints (stages/state_pool.py rule 4)
+            self.state.check_copies(keeps + list(header.get("restore") or []))
+            for src, dst in header.get("restore") or []:
+                self.state.copy(int(src), int(dst))
         if self.window is None:
             out = self.model.forward(batch, self.kv, x, state=self.state)
         else:
             with self.window.step(batch) as view:
                 out = self.model.forward(batch, view, x, state=self.state)
+        if self.state is not None:
+            for src, dst in keeps:
+                self.state.copy(int(src), int(dst))
         if self.sampler is None:
             return out
         rows = batch.sample_slots

@@ -24,6 +24,9 @@ Rules:
    them unknown; `commit(batch)` records start + n once every layer ran. A step that fails in between leaves its
    entries unknown: only a step from position 0 may use them again.
 3. `forget()` marks every entry unknown (a new coordinator session: its conversations are not this stage's).
+4. `copy(src, dst)` makes entry dst a copy of entry src, its token count included: a checkpoint of a row's state
+   after a step (header `keep`), or one restored into a slot's entry before a step (header `restore`;
+   coordinator/state_checkpoints.py). Both are checked before the step runs anything (`check_copies`).
 """
 from __future__ import annotations
 
@@ -75,6 +78,22 @@ class StatePool:
         """Rule 2: every layer ran; each entry now holds start + n tokens."""
         for (_, start, n, _), e in zip(batch.slots, batch.state_entries):
             self.tokens[e] = start + n
+
+    def check_copies(self, pairs: list) -> None:
+        """Rule 4: every entry a copy names exists."""
+        for pair in pairs:
+            src, dst = (int(v) for v in pair)
+            for e in (src, dst):
+                if not 0 <= e < self.n_entries:
+                    raise ValueError(f"state copy {src} -> {dst}: entry {e} does not exist (this stage has "
+                                     f"{self.n_entries})")
+
+    def copy(self, src: int, dst: int) -> None:
+        """Rule 4."""
+        if src != dst:
+            self.conv[dst].copy_(self.conv[src])
+            self.recurrent[dst].copy_(self.recurrent[src])
+            self.tokens[dst] = self.tokens[src]
 
     def forget(self) -> None:
         """Rule 3."""

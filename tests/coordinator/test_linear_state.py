@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from coordinator.cache import ConversationCache
 from coordinator.conversations import Conversation, Match
-from coordinator.linear_state import StateEntries, reusable, state_entries
+from coordinator.linear_state import StateEntries, reusable, state_checkpoints, state_entries
+from coordinator.state_checkpoints import StateCheckpoints
 from pool.chunk_map import ChunkMap
 
 
@@ -50,8 +51,52 @@ def test_with_no_entry_free_a_park_drops_the_oldest_parked_conversation_or_itsel
     tight.entries.check()
 
 
-def test_only_a_whole_continuation_is_reusable_and_hellos_give_the_count():
-    conv = Conversation(0, list(range(10)))
-    assert reusable(Match(conv, 10)) is not None and reusable(Match(conv, 9)) is None and reusable(None) is None
-    hellos = {0: {"state_entries": 0}, 1: {"state_entries": 8}}
+def test_a_whole_continuation_or_a_checkpoint_is_reusable_and_hellos_give_the_counts():
+    conv = Conversation(0, list(range(40)))
+    none = StateCheckpoints(4, 0, 16)
+    assert reusable(Match(conv, 40), none) is not None and reusable(None, none) is None
+    assert reusable(Match(conv, 39), none) is None  # a branch with no checkpoint starts cold
+    kept = StateCheckpoints(4, 2, 16)
+    assert kept.keep(0, 16) == 4 and kept.keep(0, 32) == 5
+    assert (reusable(Match(conv, 39), kept).reuse, reusable(Match(conv, 31), kept).reuse) == (32, 16)
+    assert reusable(Match(conv, 15), kept) is None
+    hellos = {0: {"state_entries": 0}, 1: {"state_entries": 8, "state_checkpoints": 3}}
     assert state_entries(hellos.get, 2) == 8 and state_entries({0: {}, 1: None}.get, 2) == 0
+    assert state_checkpoints(hellos.get, 2) == 3  # only stages that keep state count
+    assert state_checkpoints({0: {"state_entries": 8}, 1: None}.get, 2) == 0
+
+
+def test_a_checkpoint_is_kept_once_per_boundary_and_the_least_recently_used_unpinned_one_goes():
+    k = StateCheckpoints(10, 3, 16)
+    assert [k.keep(0, 15), k.keep(0, 0), k.keep(0, 16), k.keep(0, 16)] == [None, None, 10, None]
+    assert k.keep(1, 16) == 11 and k.keep(1, 32) == 12
+    k.pin(10)  # the oldest is pinned: the next oldest (table 1 at 16) goes
+    assert k.keep(2, 48) == 11 and k.best(1, 40) == (32, 12) and k.best(2, 48) == (48, 11)
+    k.pin(12)
+    k.pin(11)
+    assert k.keep(3, 16) is None  # every entry pinned: nothing kept
+    k.unpin(12)
+    assert k.keep(3, 16) == 12 and k.best(1, 40) is None
+    k.check()
+
+
+def test_checkpoints_follow_their_table_and_go_with_it():
+    c = cache(3)
+    c.entries = StateEntries(3, 2, n_checkpoints=3, chunk_cells=4)
+    hold(c, 0, 10)
+    k = c.entries.checkpoints
+    assert k.keep(0, 4) == 3 and k.keep(0, 8) == 4
+    c.park(0)
+    (parked,) = c.parked()
+    assert k.of == {parked: {4: 3, 8: 4}}  # parked with the conversation
+    hold(c, 1, 6)
+    assert k.keep(1, 4) == 5
+    c.bring(c.held[parked], 1)  # back into slot 1; slot 1's conversation is parked with its own
+    assert k.of == {1: {4: 3, 8: 4}, parked: {4: 5}}
+    k.trim(1, 7)
+    assert k.of[1] == {4: 3} and k.free == [4]
+    c.release(parked)
+    c.release(1)
+    assert k.of == {} and sorted(k.free) == [3, 4, 5]
+    k.check()
+    c.entries.check()

@@ -2,9 +2,10 @@
 `strata up` on two CPU stages (stage 0 holds no full-attention layer, so no pool cells) behind the official
 client, against transformers' greedy tokens on the same checkpoint. The conversation rules of
 coordinator/linear_state.py: a held conversation continued whole reuses its cells and its state, in its slot or
-parked and brought back (the state entry follows the table); a prompt that branches inside it starts cold (a
+parked and brought back (the state entry follows the table); a prompt that branches inside it reuses the
+longest checkpoint of its state at a chunk boundary below the branch (coordinator/state_checkpoints.py; a
 state cannot be rewound); concurrent requests give their solo tokens; a session file keeps the state with the
-cells; a restarted stage drops every held conversation. Two slots, three state entries."""
+cells; a restarted stage drops every held conversation. Two slots, three state entries, four checkpoints (the default 2 x parallel)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -56,13 +57,27 @@ def want(server: Server, prompt: list[int]) -> tuple[list[int], str]:
 PROMPT = [40 + 3 * k for k in range(37)]
 
 
-def test_a_whole_continuation_reuses_the_slot_and_a_branch_starts_cold(hybrid):
+def test_a_whole_continuation_reuses_the_slot_and_a_branch_its_longest_checkpoint(hybrid):
     ids, text = want(hybrid, PROMPT)
     assert complete(hybrid, PROMPT) == (text, 0, "length")
     turn = PROMPT + ids + [7, 8, 9]  # the held conversation is PROMPT + ids[:-1]: the turn continues it whole
     assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(PROMPT) + MAX - 1, "length")
-    branch = PROMPT[:30] + [11, 12]  # shares 30 tokens, but a state cannot be rewound
-    assert complete(hybrid, branch) == (want(hybrid, branch)[1], 0, "length")
+    branch = PROMPT[:30] + [11, 12]  # shares 30 tokens: a state cannot be rewound, but it was kept at 16
+    assert complete(hybrid, branch) == (want(hybrid, branch)[1], 16, "length")
+
+
+def test_an_answer_asked_again_and_a_branch_inside_the_answer_reuse_checkpoints(hybrid):
+    """coordinator/state_checkpoints.py: prefill pieces end at every chunk boundary (16 cells) and decode keeps
+    the boundary it reaches, so asking again reuses 32 of 37 prompt tokens, and a prompt that branches after
+    8 answer tokens (48 tokens in) reuses the checkpoint decode kept at 48; and none is read wrong: each answer
+    is transformers' on its whole prompt."""
+    slot_action(hybrid, "erase")
+    a = [90 + k for k in range(40)]
+    ids, text = want(hybrid, a)
+    assert complete(hybrid, a) == (text, 0, "length")
+    assert complete(hybrid, a) == (text, 32, "length")  # held a + ids[:-1]; the match stops inside the prompt
+    branch = a + ids[:8] + [99, 98]
+    assert complete(hybrid, branch) == (want(hybrid, branch)[1], 48, "length")
 
 
 def test_a_parked_conversation_keeps_its_state_and_continues_exactly(hybrid):

@@ -46,12 +46,13 @@ class Local:
                 r.apply(op)
             r.record_generations(generations)
 
-    def step(self, slots: list[list[int]], tokens: list[int], sampling: dict | None = None) -> list:
+    def step(self, slots: list[list[int]], tokens: list[int], sampling: dict | None = None, **extra: object) -> list:
         for slot, start, n, _ in slots:
             assert self.map.reserve(slot, start + n)
         self.sync()
         self.step_id += 1
-        header = {"step": self.step_id, "version": self.map.version, "slots": slots, "sampling": sampling or {}}
+        header = {"step": self.step_id, "version": self.map.version, "slots": slots, "sampling": sampling or {},
+                  **extra}
         ids = torch.tensor(tokens, dtype=torch.int32)
         x = None
         for r in self.runners:

@@ -26,7 +26,7 @@ from stages.linear_attention import chunked_delta_rule, linear_attention, recurr
 from stages.model import StageModel
 from stages.state_pool import UNKNOWN, StatePool
 from stages.tiny import make_tiny_model, tiny_config
-from tests.stages.harness import Local, make_cfg
+from tests.stages.harness import GREEDY, Local, make_cfg
 from tests.stages.test_model_vs_transformers import (
     ATOL, CHUNK, N_CHUNKS, N_SLOTS, TABLE_CHUNKS, VOCAB, hf_logits, prompt_ids, random_tables, run_one,
 )
@@ -348,7 +348,8 @@ def test_tiny_spec_serves_through_the_runners_as_transformers_generates(monkeypa
         assert first == out[0, len(prompt):].tolist()
         assert m.generate(1, prompt, 9) == first  # position 0 again: a fresh state, whatever the entry held
         m.runners[0].reset("another-session")
-        entries = m.runners[0].cfg.engine.n_state_entries  # 2 x parallel by default
+        e = m.runners[0].cfg.engine
+        entries = e.n_state_entries + e.n_state_checkpoints  # 2 x parallel each by default
         assert m.runners[0].state.tokens == [UNKNOWN] * entries  # a new session's entries continue nothing of the old
     finally:
         m.close()
@@ -364,13 +365,18 @@ def test_config_check_counts_only_full_attention_layers(tmp_path):
     per_layer = PoolLayout(1, 4, 16, 2, 16, "float32").data_nbytes
     assert [s.pool_bytes for s in report.stages] == [0, 2 * per_layer]  # layers 3 and 7 are full attention
     assert all(s.weight_bytes for s in report.stages)
-    # the state pool: 2 x parallel entries, each what a real StatePool of the stage's linear layers allocates
+    # the state pool: 2 x parallel entries and 2 x parallel checkpoints, what a real StatePool of the stage's
+    # linear layers allocates
     conf = json.loads((d / "config.json").read_text())
     for s, n_linear in zip(report.stages, (3, 3)):  # 0-2 and 4-6
-        pool = StatePool(4, n_linear, LinearGeometry.from_config(conf), torch.float32, "cpu")
-        assert s.state_entries == 4 and s.state_bytes == sum(t.numel() * t.element_size()
-                                                             for t in (pool.conv, pool.recurrent))
-    assert "linear-attention state 4 entries" in config_check.format_report(report)
+        pool = StatePool(8, n_linear, LinearGeometry.from_config(conf), torch.float32, "cpu")
+        assert (s.state_entries, s.state_checkpoints) == (4, 4)
+        assert s.state_bytes == sum(t.numel() * t.element_size() for t in (pool.conv, pool.recurrent))
+    assert "linear-attention state 4 entries (engine.state_entries) + 4 checkpoints" in \
+        config_check.format_report(report)
+    data["engine"]["state_checkpoints"] = 0  # none: the entries alone
+    assert [s.state_bytes for s in config_check.check(config_from_dict(data)).stages] == [s.state_bytes // 2
+                                                                                         for s in report.stages]
 
 
 BAD = {  # changes to a valid tiny qwen3_next config.json -> what the message must name
@@ -398,3 +404,37 @@ def test_a_qwen3_next_config_the_stages_cannot_compute_is_refused_naming_it(tmp_
     with pytest.raises(ConfigError) as e:
         config_check.check(config_from_dict(data))
     assert e.value.key == "model" and named in str(e.value)
+
+
+def test_a_kept_checkpoint_restored_into_an_entry_continues_as_transformers(tmp_path):
+    """stages/state_pool.py rule 4 through the runners: a step that reaches position 16 keeps the row's state in
+    a checkpoint entry (`keep`); after the slot's entry moved on to 24 tokens, a step from 16 that restores the
+    checkpoint into it (`restore`) continues a branch as transformers does on prefix + branch. Copies that name
+    no entry, or a row outside the step, are refused before anything runs."""
+    d = make_tiny_model(tmp_path / "m", arch="qwen3_next", layers=4, hidden=64, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompt = prompt_ids(9, 24)
+    branch = [7, 250, 31, 64]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt[:16] + branch]), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, pad_token_id=0)
+    m = Local(make_cfg(d, [[0, 2], [2, 4]]), tmp_path)  # type: ignore[arg-type]  # linear layers on both
+    try:
+        e = m.runners[0].cfg.engine
+        ckpt = e.n_state_entries  # the first checkpoint entry
+        assert all(r.state.n_entries == e.n_state_entries + e.n_state_checkpoints for r in m.runners)
+        m.step([[1, 0, 16, 0]], prompt[:16], keep=[[0, ckpt]])
+        assert [r.state.tokens[ckpt] for r in m.runners] == [16, 16]
+        m.step([[1, 16, 8, 0]], prompt[16:24])
+        before = [list(r.state.tokens) for r in m.runners]
+        for bad, match in (({"keep": [[1, ckpt]]}, "names a row outside"),
+                           ({"restore": [[ckpt, 99]]}, "entry 99 does not exist")):
+            with pytest.raises(ValueError, match=match):
+                m.runners[0].step({"step": 99, "version": m.map.version, "slots": [[1, 24, 1, 0]], "sampling": {},
+                                   **bad}, torch.tensor([5], dtype=torch.int32), None)
+        assert [list(r.state.tokens) for r in m.runners] == before
+        first = m.step([[1, 16, 4, 1]], branch, {1: dict(GREEDY)}, restore=[[ckpt, 1]])[0][1]
+        got = [first, *m.decode(1, 20, first, 5)]
+        assert got == out[0, 20:].tolist()
+    finally:
+        m.close()
