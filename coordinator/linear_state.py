@@ -19,8 +19,10 @@ While any stage keeps entries, the coordinator owns which entry each table's con
    its slot or, brought in, from its parked table. A branch inside it, or a match below its end, reuses the
    longest checkpoint of its state at a chunk boundary below the branch (coordinator/state_checkpoints.py), or
    starts cold; prefix sharing is off (a shared run of chunks would come without the state at its end).
-3. A (re)joined stage has no state its conversations could continue (the pool file holds K/V, not state): every
-   held conversation is dropped, counted as lost, and the entries start over. A session file keeps a
+3. A (re)joined stage keeps a held conversation only if the entry its table owns still holds exactly its tokens:
+   a CPU stage's entries live in a state file beside its pool file and its HELLO says what each holds
+   (`state_held`, stages/state_pool.py rule 5); a CUDA stage reports none, and every held conversation is
+   dropped, counted as lost. Checkpoints whose entry does not hold their boundary are forgotten. A session file keeps a
    conversation's state with its cells (coordinator/slot_files.py): a restore gives its table an entry.
 """
 from __future__ import annotations
@@ -52,6 +54,20 @@ def state_checkpoints(stage_hello: Callable[[int], dict | None], n_stages: int) 
     counts = [int(h.get("state_checkpoints") or 0) for h in (stage_hello(i) or {} for i in range(n_stages))
               if h.get("state_entries")]
     return min(counts) if counts else 0
+
+
+def lost_states(entries: "StateEntries", held: dict, hello: dict, lost: list[int]) -> list[int]:
+    """Rule 3: the held tables (beside `lost`) whose state a (re)joined stage with `hello` no longer holds;
+    forgets the checkpoints it does not hold either. A stage without linear layers holds every state it has."""
+    if not hello.get("state_entries"):
+        return []
+    have = hello.get("state_held") or []
+
+    def holds(entry: int | None, n: int) -> bool:
+        return entry is not None and 0 <= entry < len(have) and have[entry] == n
+
+    entries.checkpoints.verify(holds)
+    return [t for t, conv in held.items() if t not in lost and not holds(entries.of.get(t), len(conv.tokens))]
 
 
 class StateEntries:

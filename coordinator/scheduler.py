@@ -470,15 +470,12 @@ class Scheduler:
         whose chunks the stage's generations do not vouch for are dropped (ChunkMap.intact)."""
         hello = self.link.stage_hello(index) or {}
         gens = hello.get("generations")
+        lost = [t for t in self.held if not self.map.intact(t, gens)]
         n_entries = self._state_entries()
-        if n_entries:
-            lost = list(self.held)  # no state survives a stage's restart (linear_state.py rule 3)
-        else:
-            lost = [t for t in self.held if not self.map.intact(t, gens)]
+        if n_entries:  # and whose state entry the stage does not still hold (linear_state.py rule 3)
+            lost += linear_state.lost_states(self.cache.entries, self.held, hello, lost)
         for table in lost:
             self.cache.release(table)
-        if n_entries:
-            self.cache.entries = self._new_entries(n_entries)  # they start over, checkpoints too
         self.counters["lost"] += len(lost)
         event(log, "stage.verified", stage=index, kept=len(self.held), lost=len(lost),
               reattached=hello.get("pool", {}).get("reattached"))

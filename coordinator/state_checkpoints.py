@@ -23,7 +23,8 @@ boundaries, and the coordinator owns them as it owns the table entries:
    copy the checkpoint into the slot's entry before it runs (header `"restore": [[checkpoint, entry]]`). The
    checkpoint is pinned from admission until that step is built (steps run in order on every stage, so no later
    keep can overwrite it first).
-5. A (re)joined stage keeps no checkpoint: they start over with the table entries.
+5. A (re)joined stage keeps the checkpoints whose entry it still holds at their boundary (its HELLO's
+   `state_held`, coordinator/linear_state.py rule 3); the others are forgotten (`verify`).
 A stage still refuses a step whose entry does not hold exactly its start (stages/state_pool.py rule 1), so a
 wrong checkpoint can only fail a request, never make an answer wrong.
 """
@@ -103,6 +104,12 @@ class StateCheckpoints:
         """Rule 3: table keeps the checkpoints at or below n tokens."""
         for at, entry in list(self.of.get(table, {}).items()):
             if at > n:
+                self._forget(entry)
+
+    def verify(self, holds) -> None:
+        """Rule 5: forget each checkpoint unless `holds(entry, at)`."""
+        for entry, (_, at) in list(self.owner.items()):
+            if not holds(entry, at):
                 self._forget(entry)
 
     def check(self) -> None:

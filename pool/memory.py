@@ -199,6 +199,27 @@ def _size_file(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
 
 
+def create_mapped(path: Path, nbytes: int, header: bytes) -> tuple[int, mmap.mmap]:
+    """(fd, shared writable mapping) of a fresh zero-filled private file of `nbytes` at `path` that starts with
+    `header`, replacing any file there by rename (module rules): made exclusively (O_EXCL, O_NOFOLLOW, 0600) under
+    a fresh name first, so nothing another user placed there is ever written, and an attacher never reads half a
+    header."""
+    if sys.byteorder != "little":
+        raise RuntimeError("pool files are little-endian; this host is not")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = open_private(tmp, os.O_RDWR, create=True)
+    try:
+        _size_file(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm[: len(header)] = header
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd, mm
+
+
 class PoolMemory:
     """One stage's pool share, mapped read-write and shared (MAP_SHARED) with any other mapper of the file.
 
@@ -225,21 +246,8 @@ class PoolMemory:
         the old file keeps valid memory instead of taking SIGBUS. The new file is made exclusively (O_EXCL,
         O_NOFOLLOW, 0600) under a fresh name first, so nothing another user placed there is ever written.
         """
-        if sys.byteorder != "little":
-            raise RuntimeError("pool files are little-endian; this host is not")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = open_private(tmp, os.O_RDWR, create=True)
-        try:
-            _size_file(fd, layout.nbytes)
-            mm = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            header = layout._header()
-            mm[: len(header)] = header
-            os.rename(tmp, path)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
+        fd, mm = create_mapped(path, layout.nbytes, layout._header())
         return cls(path, layout, fd, mm)
 
     @classmethod

@@ -47,6 +47,7 @@ depend on the context length).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -334,11 +335,13 @@ class StageModel:
     def num_linear_layers(self) -> int:
         return sum(i is not None for i in self.linear_layers)
 
-    def new_state_pool(self, n_entries: int) -> StatePool | None:
-        """A StatePool of `n_entries` for this stage's linear layers; None when it holds none."""
+    def new_state_pool(self, n_entries: int, path: Path | None = None) -> StatePool | None:
+        """A StatePool of `n_entries` for this stage's linear layers (in the state file `path` on a CPU stage,
+        stages/state_pool.py rule 5); None when it holds none."""
         if not self.num_linear_layers:
             return None
-        return StatePool(n_entries, self.num_linear_layers, self.spec.linear.geometry, self.dtype, self.device)  # type: ignore[union-attr]
+        return StatePool(n_entries, self.num_linear_layers, self.spec.linear.geometry, self.dtype,  # type: ignore[union-attr]
+                         self.device, path)
 
     @property
     def kv_heads(self) -> int:

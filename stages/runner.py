@@ -144,7 +144,8 @@ class StageRunner:
         self.window = self._window(layout)
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
-        self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints)
+        self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints,
+                                               path.with_name(path.name + ".state"))
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
         if self.model.is_last:
@@ -202,6 +203,8 @@ class StageRunner:
             "vocab": self.model.vocab_size,  # logits per sampled row: the size of a grammar mask
             "state_entries": e.n_state_entries if self.state is not None else 0,  # coordinator/linear_state.py
             "state_checkpoints": e.n_state_checkpoints if self.state is not None else 0,  # state_checkpoints.py
+            # tokens each entry holds, when they outlive the process (stages/state_pool.py rule 5)
+            "state_held": self.state.held() if self.state is not None and self.state.file is not None else None,
             "weight_bytes": self.model.weight_bytes(),  # as loaded (GGUF weights kept quantized: packed)
             "generations": list(self.memory.generations[: e.n_chunks]),
         }
@@ -235,8 +238,10 @@ class StageRunner:
         (a restarted stage rejoining the coordinator that sent them keeps them for it to compare)."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
         self.kv.clear_tables()
-        if self.state is not None:
-            self.state.forget()
+        if self.state is not None and (session is None or self.state.session != session):
+            self.state.forget()  # a state file of the same session keeps its entries (stages/state_pool.py rule 5)
+            if session is not None:
+                self.state.session = session
         if session is not None and self.memory.session != session:
             if self.window is not None:
                 self.window.clear()  # generations restart with the new session (stages/window.py rule 2)
@@ -378,6 +383,11 @@ class StageRunner:
 
     def close(self, unlink: bool = True) -> None:
         """Drop the arrays and the mapping; `unlink` also removes the pool file (a clean shutdown)."""
+        if self.state is not None and self.state.file is not None:
+            state = self.state.file
+            self.state.close()
+            if unlink:
+                state.unlink()
         self.kv = self.window = self.state = None  # type: ignore[assignment]
         if self.memory is not None:
             self.memory.close()

@@ -27,13 +27,23 @@ Rules:
 4. `copy(src, dst)` makes entry dst a copy of entry src, its token count included: a checkpoint of a row's state
    after a step (header `keep`), or one restored into a slot's entry before a step (header `restore`;
    coordinator/state_checkpoints.py). Both are checked before the step runs anything (`check_copies`).
+5. On a CPU stage the entries live in a state file beside the pool file (pool/state_file.py), tokens included, so
+   a stage restarted after a crash re-attaches them: its HELLO reports what each entry holds (`held()`), and the
+   coordinator keeps the conversations whose entries hold exactly their tokens. A CUDA stage's entries are
+   device memory (pool/state_file.py rule 4).
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
 from pool.layer_kinds import LinearGeometry, state_entry_bytes
+from pool.memory import PoolMismatch
+from pool.state_file import StateFile, StateLayout
 from stages.batch import StepBatch
+from stages.tensors import mapped
 
 __all__ = ["UNKNOWN", "StatePool", "state_entry_bytes"]  # state_entry_bytes(config, first, last, dtype_bytes)
 UNKNOWN = -1  # tokens of an entry whose state is not that of any known prefix
@@ -43,16 +53,35 @@ class StatePool:
     """`n_entries` state entries for `n_layers` linear-attention layers of `geometry` (module docstring)."""
 
     def __init__(self, n_entries: int, n_layers: int, geometry: LinearGeometry, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", path: Path | None = None) -> None:
         if n_entries < 1 or n_layers < 1:
             raise ValueError(f"a state pool needs at least one entry and one layer, got {n_entries} x {n_layers}")
         g = geometry
         self.n_entries, self.n_layers, self.geometry = n_entries, n_layers, g
         self.device = torch.device(device)
+        self.file: StateFile | None = None
+        self.reattached = False
+        if path is not None and self.device.type == "cpu":  # rule 5
+            self.file, self.reattached = _open_state(path, StateLayout(
+                n_entries, n_layers, g.kernel - 1, g.conv_dim, g.value_heads, g.key_dim, g.value_dim,
+                str(dtype).removeprefix("torch.")))
+            self.conv, self.recurrent = (_view(self.file, which) for which in ("conv", "recurrent"))
+            self.tokens: list[int] | memoryview = self.file.tokens
+            return
         self.conv = torch.zeros(n_entries, n_layers, g.kernel - 1, g.conv_dim, dtype=dtype, device=self.device)
         self.recurrent = torch.zeros(n_entries, n_layers, g.value_heads, g.key_dim, g.value_dim,
                                      dtype=torch.float32, device=self.device)
         self.tokens = [0] * n_entries  # zeros are the state after 0 tokens
+
+    @property
+    def session(self) -> str | None:
+        """The coordinator session the entries belong to, when they live in a state file (rule 5)."""
+        return self.file.session if self.file is not None else None
+
+    @session.setter
+    def session(self, value: str) -> None:
+        if self.file is not None:
+            self.file.session = value
 
     @property
     def entry_nbytes(self) -> int:
@@ -89,15 +118,29 @@ class StatePool:
                                      f"{self.n_entries})")
 
     def copy(self, src: int, dst: int) -> None:
-        """Rule 4."""
+        """Rule 4: entry `dst` becomes a copy of entry `src` (state and token count); unknown while it changes."""
         if src != dst:
+            held = self.tokens[src]
+            self.tokens[dst] = UNKNOWN
             self.conv[dst].copy_(self.conv[src])
             self.recurrent[dst].copy_(self.recurrent[src])
-            self.tokens[dst] = self.tokens[src]
+            self.tokens[dst] = held
 
     def forget(self) -> None:
         """Rule 3."""
-        self.tokens = [UNKNOWN] * self.n_entries
+        for e in range(self.n_entries):
+            self.tokens[e] = UNKNOWN
+
+    def held(self) -> list[int]:
+        """Tokens each entry holds (UNKNOWN: none known), for a restarted stage's HELLO (rule 5)."""
+        return list(self.tokens)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.tokens = [UNKNOWN] * self.n_entries  # the file's view goes with it
+            self.conv = self.recurrent = None  # type: ignore[assignment]
+            self.file.close()
+            self.file = None
 
     def read(self, layer: int, entries: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [B, K - 1, C], recurrent [B, nv, dk, dv]) of local linear layer `layer` for `entries` [B], zeros
@@ -112,8 +155,17 @@ class StatePool:
         self.conv[entries, layer] = conv.to(self.conv.dtype)
         self.recurrent[entries, layer] = rec
 
-    def copy(self, src: int, dst: int) -> None:
-        """Entry `dst` becomes a copy of entry `src` (state and token count)."""
-        self.conv[dst].copy_(self.conv[src])
-        self.recurrent[dst].copy_(self.recurrent[src])
-        self.tokens[dst] = self.tokens[src]
+
+def _open_state(path: Path, layout: StateLayout) -> tuple[StateFile, bool]:
+    """(file, re-attached): the state file a crashed stage left when its layout matches, else a fresh one. The
+    caller holds the pool file's lock; a file that is not private is refused, never replaced."""
+    if os.path.lexists(path):
+        try:
+            return StateFile.attach(path, layout), True
+        except PoolMismatch:
+            pass
+    return StateFile.create(path, layout), False
+
+
+def _view(file: StateFile, which: str) -> torch.Tensor:
+    return mapped(file.buffer, *file.layout.spec(which))

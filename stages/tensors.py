@@ -69,8 +69,12 @@ def from_raw(r: RawTensor, device: str | torch.device = "cpu") -> torch.Tensor:
 
 def pool_array(mem: PoolMemory, layer: int, which: str) -> torch.Tensor:
     """The `which` array ("k", "v", "k_scale", "v_scale") of local `layer`, a view into the pool file."""
-    offset, name, shape = mem.layout.tensor_spec(layer, which)
+    return mapped(mem.buffer, *mem.layout.tensor_spec(layer, which))
+
+
+def mapped(buffer, offset: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of dtype `name` and `shape` viewing `buffer` (a file mapping) from byte `offset`."""
     count = 1
     for d in shape:
         count *= d
-    return torch.frombuffer(mem.buffer, dtype=DTYPES[name], count=count, offset=offset).view(shape)
+    return torch.frombuffer(buffer, dtype=DTYPES[name], count=count, offset=offset).view(shape)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from coordinator.cache import ConversationCache
 from coordinator.conversations import Conversation, Match
+from coordinator import linear_state
 from coordinator.linear_state import StateEntries, reusable, state_checkpoints, state_entries
 from coordinator.state_checkpoints import StateCheckpoints
 from pool.chunk_map import ChunkMap
@@ -100,3 +101,21 @@ def test_checkpoints_follow_their_table_and_go_with_it():
     assert k.of == {} and sorted(k.free) == [3, 4, 5]
     k.check()
     c.entries.check()
+
+
+def test_a_rejoined_stage_keeps_the_conversations_and_checkpoints_its_entries_still_hold():
+    """Rule 3: a held table survives when its entry holds exactly its tokens on the rejoined stage; a checkpoint
+    when its entry holds its boundary; a stage that reports no held entries (CUDA) keeps none."""
+    c = cache(4)
+    c.entries = StateEntries(4, 2, n_checkpoints=2, chunk_cells=4)
+    hold(c, 0, 10)
+    hold(c, 1, 6)
+    k = c.entries.checkpoints
+    assert k.keep(0, 4) == 4 and k.keep(0, 8) == 5
+    hello = {"state_entries": 4, "state_held": [10, 5, -1, 0, 4, 3]}  # slot 1's entry went on a step further
+    assert linear_state.lost_states(c.entries, c.held, hello, []) == [1]
+    assert k.of == {0: {4: 4}}
+    assert linear_state.lost_states(c.entries, c.held, {"state_entries": 4, "state_held": None}, []) == [0, 1]
+    assert linear_state.lost_states(c.entries, c.held, {"state_entries": 0}, []) == []  # no linear layers there
+    assert linear_state.lost_states(c.entries, c.held, hello, [0]) == [1]  # already lost by its chunks
+    k.check()

@@ -14,4 +14,5 @@ PY
 python -c "import cupy" 2>/dev/null || pip install -q -e '.[cuda]' || echo "cupy not installed: the kernel tests will skip"
 exec timeout 300 python -m pytest -q -rs -p no:cacheprovider \
     tests/stages/test_kernels.py tests/pool/test_pin.py tests/stages/test_snapshot.py tests/stages/test_tensors.py \
-    tests/stages/test_window_cuda.py tests/stages/test_quant_linear.py tests/gpu/test_serve_cuda.py "$@"
+    tests/stages/test_window_cuda.py tests/stages/test_quant_linear.py tests/pool/test_state_file.py \
+    tests/gpu/test_serve_cuda.py "$@"

@@ -5,7 +5,7 @@ coordinator/linear_state.py: a held conversation continued whole reuses its cell
 parked and brought back (the state entry follows the table); a prompt that branches inside it reuses the
 longest checkpoint of its state at a chunk boundary below the branch (coordinator/state_checkpoints.py; a
 state cannot be rewound); concurrent requests give their solo tokens; a session file keeps the state with the
-cells; a restarted stage drops every held conversation. Two slots, three state entries, four checkpoints (the default 2 x parallel)."""
+cells; a restarted stage keeps the held conversations its state file holds. Two slots, three state entries, four checkpoints (the default 2 x parallel)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -130,16 +130,22 @@ def test_a_saved_conversation_restores_with_its_state_and_continues_exactly(hybr
     assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(a) + MAX - 1, "length")
 
 
-def test_a_restarted_stage_drops_the_held_conversations(hybrid):
+def test_a_restarted_stage_keeps_the_held_conversations_its_state_file_holds(hybrid):
+    """stages/state_pool.py rule 5: stage 0 (linear layers only) is SIGKILLed while idle; restarted, it re-attaches
+    its state file, so the held conversation is not lost and its next turn reuses it whole, as transformers
+    continues it; the checkpoints come back with it (a branch reuses the one at 32)."""
+    slot_action(hybrid, "erase")
     ids, text = want(hybrid, PROMPT)
     assert complete(hybrid, PROMPT)[0] == text
-    lost = hybrid.live()["counters"]["lost"]
-    os.kill(hybrid.stage_pid(0), signal.SIGKILL)
+    lost, pid = hybrid.live()["counters"]["lost"], hybrid.stage_pid(0)
+    os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 90
-    while hybrid.live()["counters"]["lost"] == lost:  # counted when the restarted stage is verified
+    while hybrid.stage_pid(0) == pid or hybrid.http.get("/health").status_code != 200:
         assert time.monotonic() < deadline, "the restarted stage was not taken back"
         time.sleep(0.1)
-    hybrid.wait_healthy(90)
-    assert hybrid.live()["counters"]["lost"] == lost + 1
-    turn = PROMPT + ids + [7]
-    assert complete(hybrid, turn) == (want(hybrid, turn)[1], 0, "length")
+    assert hybrid.live()["counters"]["lost"] == lost
+    branch = PROMPT[:35] + [4]
+    assert complete(hybrid, branch) == (want(hybrid, branch)[1], 32, "length")
+    ids, _ = want(hybrid, branch)
+    turn = branch + ids + [7]
+    assert complete(hybrid, turn) == (want(hybrid, turn)[1], len(branch) + MAX - 1, "length")

@@ -350,7 +350,7 @@ def test_tiny_spec_serves_through_the_runners_as_transformers_generates(monkeypa
         m.runners[0].reset("another-session")
         e = m.runners[0].cfg.engine
         entries = e.n_state_entries + e.n_state_checkpoints  # 2 x parallel each by default
-        assert m.runners[0].state.tokens == [UNKNOWN] * entries  # a new session's entries continue nothing of the old
+        assert m.runners[0].state.held() == [UNKNOWN] * entries  # a new session's entries continue nothing of the old
     finally:
         m.close()
 

@@ -152,6 +152,7 @@ def strata_up_box(box):
                 pass
         for f in pool_files:
             f.unlink(missing_ok=True)
+            f.with_name(f.name + ".state").unlink(missing_ok=True)  # a hybrid model's state file
 
 
 def _running_from(root: Path) -> list[int]:
