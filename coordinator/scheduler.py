@@ -3,9 +3,11 @@
 Each loop turn:
   1. admit waiting requests into slots (prefix reuse from the conversation cache, table moves, the
      prompt's cells reserved up front; refusal when the pool cannot cover it after evictions);
-  2. while fewer than S steps are in flight (S = number of stages), build a step from the slots not in
-     flight: decode slots read one token, prefilling slots a piece of their prompt (at most
-     `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long);
+  2. while fewer than S steps are in flight (S = number of stages), build a step from the slots with tokens
+     to send: decode slots whose last token came back read it, prefilling slots the next piece of their prompt
+     (at most `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long),
+     also while their earlier pieces are in flight: every stage runs steps in the order they were sent, so a
+     piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
 With S stages, a step carries at most ceil(active / S) slots, so up to S groups are in flight and every
@@ -64,9 +66,10 @@ class Job:
     slot: int | None = None
     tokens: list[int] = field(default_factory=list)  # prompt + generated, all known tokens
     fed: int = 0  # tokens whose K/V are written (cells [0, fed))
+    sent: int = 0  # tokens handed to steps: cells [fed, sent) are being written by steps in flight
     cached: int = 0
     generated: int = 0
-    in_flight: bool = False
+    in_flight: int = 0  # its steps on the wire (several only while it prefills)
     cancelled: bool = False
     done: bool = False
     matcher: Matcher | None = None  # the request's grammar position, when it has a grammar
@@ -264,7 +267,7 @@ class Scheduler:
                 EngineError.kv_pool_full(len(prompt), self.map.free_cells, self.cfg.coordinator.retry_after_s)
             )
             return True
-        job.slot, job.fed, job.cached, job.restore = slot, reuse, reuse, restore
+        job.slot, job.fed, job.sent, job.cached, job.restore = slot, reuse, reuse, reuse, restore
         self.jobs[slot] = job
         event(log, "request.admitted", request=job.req.request_id, slot=slot, prompt=len(prompt), cached=reuse)
         return True
@@ -301,7 +304,7 @@ class Scheduler:
 
     # ---- steps -----------------------------------------------------------------------------------
     def _build_step(self) -> tuple[dict, list[int], list[Job]] | None:
-        ready = [j for j in self.jobs if j is not None and not j.in_flight and not j.done]
+        ready = [j for j in self.jobs if j is not None and not j.done and j.sent < len(j.tokens)]
         if not ready:
             return None
         active = sum(1 for j in self.jobs if j is not None)
@@ -315,7 +318,7 @@ class Scheduler:
         restores: list[list[int]] = []
         keeps: list[list[int]] = []
         for job in ready[:cap]:
-            start = job.fed
+            start = job.sent
             todo = len(job.tokens) - start
             if job.prefilling:
                 if budget <= 0:
@@ -352,6 +355,7 @@ class Scheduler:
             slots.append([job.slot, start, n, sample])
             tokens.extend(job.tokens[start : start + n])
             members.append(job)
+            job.sent = start + n
         if not members:
             return None
         header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
@@ -375,8 +379,8 @@ class Scheduler:
 
     def _fail_step(self, members: list[Job], err: EngineError) -> None:
         for job in members:
-            job.in_flight = False
-            self._fail(job, err)
+            job.in_flight -= 1
+            self._fail(job, err)  # a later piece of it still in flight comes back to a done job
 
     async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job]) -> None:
         try:
@@ -389,10 +393,13 @@ class Scheduler:
             self._wake.set()
         sampled = {row[0]: row for row in result.get("tokens", [])}
         for job, (slot, start, n, sample) in zip(members, header["slots"]):
-            job.in_flight = False
+            job.in_flight -= 1
+            if job.done:  # ended while this piece was in flight (an earlier piece failed)
+                continue
             job.fed = start + n
             if job.cancelled:
-                self._end(job)
+                if not job.in_flight:
+                    self._end(job)
                 continue
             if not sample:
                 continue
@@ -521,7 +528,7 @@ class Scheduler:
                 self._fail_step(members, self._step_error(err, header["step"]))
                 continue
             for job in members:
-                job.in_flight = True
+                job.in_flight += 1
             self.in_flight += 1
             asyncio.create_task(self._run_step(header, fut, members))
         self.send_ops()

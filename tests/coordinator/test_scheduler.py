@@ -309,3 +309,81 @@ async def test_a_failed_step_ends_its_requests_and_the_loop_goes_on(failure, sta
     assert out == (await solo(cfg, prompts()[1]))[0]
     assert_pool_accounted(sched)
     await sched.stop()
+
+
+class PieceLink(CellLink):
+    """Records which steps were in flight together; the step numbered `fail_step` fails on a stage after the next
+    one was sent (as a stage failing a piece while the following piece is already on the wire)."""
+
+    def __init__(self, cfg, fail_step: int | None = None) -> None:
+        super().__init__(cfg, delay=0.01)
+        self.fail_step = fail_step
+        self.sent: list[list] = []
+        self.overlaps = 0  # steps sent while an earlier one had not come back
+        self.pending: list[asyncio.Future] = []
+
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        self.sent.append(header["slots"])
+        self.pending = [f for f in self.pending if not f.done()]
+        if self.pending:
+            self.overlaps += 1
+        if header["step"] == self.fail_step:
+            self._compute(header, tokens)
+            fut = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(0.02, fut.set_exception, StepFailed(0, header["step"], "boom"))
+        else:
+            fut = super().submit(header, tokens)
+        self.pending.append(fut)
+        return fut
+
+
+async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
+    """Scheduler rule 2: the next piece of a prompt is sent while the one before is in flight (two stages, two
+    pieces in flight), contiguous, and the answer is the solo answer of a one-step-at-a-time run."""
+    cfg = make_cfg(True, parallel=1)
+    prompt = list(range(300, 400))  # 100 tokens: pieces of 32, 32, 32, 4
+    alone = await solo(make_cfg(True, parallel=1, prefill_chunk=128), prompt)  # one piece: nothing to overlap
+    link = PieceLink(cfg)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    out, fin = await run(sched, req(prompt))
+    assert (out, fin.reason) == (alone[0], "length")
+    pieces = [row[0][1:3] for row in link.sent[:4]]
+    assert pieces == [[0, 32], [32, 32], [64, 32], [96, 4]]
+    assert link.overlaps >= 2 and link.max_in_flight == 2  # pieces go out in pairs, never more than S = 2
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+@pytest.mark.parametrize("how", ["fail", "cancel"])
+async def test_a_prompt_ended_with_a_piece_in_flight_frees_its_slot_once(how):
+    """A piece fails (or the client goes) while the next piece is in flight: the request ends once, the late
+    piece's answer changes nothing, and the pool's cells all come back."""
+    cfg = make_cfg(True, parallel=1)
+    prompt = list(range(300, 400))
+    link = PieceLink(cfg, fail_step=1 if how == "fail" else None)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    if how == "fail":
+        with pytest.raises(EngineError) as err:
+            await run(sched, req(prompt))
+        assert err.value.code == "step_failed"
+    else:
+        task = asyncio.ensure_future(run(sched, req(prompt)))
+        for _ in range(2000):
+            if link.overlaps:
+                break
+            await asyncio.sleep(0.001)
+        assert link.overlaps, "the second piece never went out while the first was in flight"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    for _ in range(200):
+        if sched.jobs[0] is None and sched.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sched.jobs[0] is None and sched.in_flight == 0
+    out, _ = await run(sched, req(prompts()[1]))
+    assert out == (await solo(cfg, prompts()[1]))[0]
+    assert_pool_accounted(sched)
+    await sched.stop()
