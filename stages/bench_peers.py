@@ -6,6 +6,9 @@ processes and serves the same checkpoint with Strata over HTTP itself.
     python -m stages.bench_peers hf     --model-dir D [sizes]    -> {"rows": [...], "greedy_ids": [...]}
     python -m stages.bench_peers llamacpp --model-dir D [sizes]  -> {"rows": [...]} or {"skipped": reason}
     python -m stages.bench_peers export --model-dir D --gguf F --quant Q8_0|Q4_0|Q4_K|...  -> {"gguf": F}
+    python -m stages.bench_peers greedy --model-dir D --prompts P --output-tokens M -> {"greedy_ids": [...]}
+    python -m stages.bench_peers build-llama-server [--jobs N]  builds llama-server (stages/llama_server.py) once,
+                                                                 prints the binary's path
 
 Every peer gets the same thread budget (`--threads`: torch.set_num_threads / llama.cpp n_threads and
 n_threads_batch) and the same prompts (`--prompts FILE`, random ids from the tokenizer's ordinary tokens, made
@@ -94,6 +97,20 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "greedy_ids": greedy, "threads": torch.get_num_threads()}
 
 
+def cmd_greedy(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' first --output-tokens greedy ids for the batch-1 prompt (the check the server peers are held
+    to when transformers is not timed), generated as cmd_hf generates them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(load_prompts(args.prompts)[1])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    return {"greedy_ids": out[0, ids.shape[1]:].tolist()}
+
+
 def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
     """The checkpoint as a GGUF file for llama.cpp (stages/gguf_write.py: the converter's layout, `qtype` weights)."""
     from stages.gguf_write import write_gguf
@@ -172,7 +189,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m stages.bench_peers")
-    p.add_argument("cmd", choices=["build", "hf", "llamacpp", "export"])
+    p.add_argument("cmd", choices=["build", "hf", "llamacpp", "export", "greedy", "build-llama-server"])
     p.add_argument("--json", default=None)
     p.add_argument("--dir", default=None)
     p.add_argument("--model-dir", default=None)
@@ -193,12 +210,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=None, help="build-llama-server: compile jobs (default: the CPUs)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = {"build": cmd_build, "hf": cmd_hf, "llamacpp": cmd_llamacpp, "export": cmd_export}[args.cmd](args)
+    if args.cmd == "build-llama-server":
+        from stages import llama_server
+
+        return llama_server.main(["build", *(["--jobs", str(args.jobs)] if args.jobs else [])])
+    result = {"build": cmd_build, "hf": cmd_hf, "llamacpp": cmd_llamacpp, "export": cmd_export,
+              "greedy": cmd_greedy}[args.cmd](args)
     write_result(result, args.json)
     return 0
 

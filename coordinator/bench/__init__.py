@@ -4,8 +4,10 @@
     strata bench paged    decode step through shuffled chunk tables vs one contiguous K/V tensor
     strata bench window   decode step and bytes moved per token through the device window vs window off; the
                           same rule computed for the dual-3080 box, next to the seeds' figures
-    strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn)
-    strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers (and llama.cpp)
+    strata bench serve    load generator for any OpenAI-compatible server (TTFT, ITL, tok/s; appended turn;
+                          --workload mixed: many requests of mixed lengths, makespan and latency percentiles)
+    strata bench peers    the same checkpoint served by Strata (1 and 2 stages) vs transformers, llama.cpp and
+                          llama-server (--workload mixed: Strata vs llama-server on the mixed workload)
     strata bench soak     many clients for a bounded time (both APIs, streams, disconnects), then the pool checked
     strata bench prefix   conversations on one long shared prefix, prefix sharing on vs off: how many fit, TTFT
     strata bench masks    what a grammar mask costs per sampled token (build, advance + mask), per grammar
@@ -47,12 +49,28 @@ def word_list(text: str) -> list[str]:
     return values
 
 
+def int_range(text: str) -> tuple[int, int]:
+    """"64-1024" -> (64, 1024), both included; "128" -> (128, 128). Positive, low <= high."""
+    parts = text.split("-")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        low, high = 0, -1
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected a range LOW-HIGH of positive integers, got {text!r}")
+    return low, high
+
+
+PEERS = ("transformers", "llama.cpp", "llama-server", "llama-server-f32")
+
+
 def peer_list(text: str) -> list[str]:
-    """Peers of `strata bench peers`: strata-N (Strata on N stages), transformers, llama.cpp."""
+    """Peers of `strata bench peers`: strata-N (Strata on N stages), transformers, llama.cpp, llama-server,
+    llama-server-f32."""
     values = word_list(text)
     for v in values:
-        if v not in ("transformers", "llama.cpp") and not re.fullmatch(r"strata-[1-9][0-9]*", v):
-            raise argparse.ArgumentTypeError(f"unknown peer {v!r}; known: strata-N (N stages), transformers, llama.cpp")
+        if v not in PEERS and not re.fullmatch(r"strata-[1-9][0-9]*", v):
+            raise argparse.ArgumentTypeError(f"unknown peer {v!r}; known: strata-N (N stages), {', '.join(PEERS)}")
     return values
 
 
@@ -83,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--out", default="bench-out", help="directory for <bench>.json and <bench>.png")
         sp.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+    def mixed(sp: argparse.ArgumentParser) -> None:  # the mixed-length workload (workload.py)
+        sp.add_argument("--workload", choices=["levels", "mixed"], default="levels",
+                        help="levels: fixed lengths per concurrency level; mixed: --requests of mixed lengths")
+        sp.add_argument("--prompt-range", type=int_range, default=(64, 1024), help="mixed: prompt tokens, LOW-HIGH")
+        sp.add_argument("--output-range", type=int_range, default=(16, 128), help="mixed: output tokens, LOW-HIGH")
+        sp.add_argument("--arrivals", choices=["all", "poisson"], default="all",
+                        help="mixed: every request at once, or Poisson arrivals at --rate")
+        sp.add_argument("--rate", type=float, default=4.0, help="mixed, poisson: requests per second")
 
     pool = sub.add_parser("pool", help="table swap vs byte copy; pool bytes vs (parallel + 1) x max_context")
     common(pool)
@@ -129,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt-tokens", type=int, default=256)
     serve.add_argument("--output-tokens", type=int, default=64)
     serve.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, "
-                       "at least 4)")
+                       "at least 4); mixed: requests in all (default 32)")
     serve.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     serve.add_argument("--api", choices=["chat", "completions"], default="chat")
     serve.add_argument("--api-key", default=None)
@@ -141,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--question-tokens", type=int, default=16)
     serve.add_argument("--trials", type=int, default=3)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    mixed(serve)
+    serve.add_argument("--token-ids", type=int, default=500, help="mixed: prompt ids are drawn from [0, N)")
 
     soak = sub.add_parser("soak", help="many clients for a bounded time; errors, latency, pool free after erase")
     common(soak)
@@ -177,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--walks", type=int, default=4)
     masks.add_argument("--seed", type=int, default=0)
 
-    peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers (and llama.cpp), same weights")
+    peers = sub.add_parser("peers", help="Strata (1 and 2 stages) vs transformers, llama.cpp and llama-server, "
+                           "same weights")
     common(peers)
     peers.add_argument("--arch", default="qwen3")
     peers.add_argument("--layers", type=int, default=12)
@@ -197,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the checkpoint as a GGUF file with its 2-D weights in this type (Strata and "
                             "llama.cpp on the same file)")
     peers.add_argument("--gguf", default=None, help="a GGUF file to serve (Strata vs llama.cpp; no transformers)")
+    mixed(peers)
+    peers.add_argument("--requests", type=int, default=None, help="mixed: requests in all (default 32)")
+    peers.add_argument("--seed", type=int, default=0, help="mixed: the workload's seed")
+    peers.add_argument("--slots", type=int, default=0, help="slots of every server peer (Strata's engine.parallel, "
+                       "llama-server -np); 0: 8 for the mixed workload, the largest --concurrency otherwise")
+    peers.add_argument("--llama-server", default=None, help="the llama-server binary (default: the one "
+                       "`python -m stages.bench_peers build-llama-server` built)")
+    peers.add_argument("--llama-kv", choices=["f16", "f32", "q8_0"], default="f16",
+                       help="llama-server's K/V cache type (llama-server-f32: f32)")
+    peers.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
+                       help="llama-server's flash attention (llama-server-f32: off)")
     return p
 
 
@@ -224,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             result = run_child("stages.bench_window", _child_args(args, [
                 "contexts", "frames", "chunk-cells", "kv-dtype", "steps", "warmup", "threads"])
                 + (["--long"] if args.long else []))
+        elif args.bench == "serve" and args.workload == "mixed":
+            from .workload import run_mixed_serve, spec_from_args
+
+            result = run_mixed_serve(args.url, spec_from_args(args, args.token_ids), api_key=args.api_key,
+                                     model=args.model, timeout_s=args.timeout)
         elif args.bench == "serve":
             from .serve import ServeConfig, run_serve_sync
 

@@ -33,9 +33,10 @@ from typing import Any
 import httpx
 import yaml
 
-from .peers import ORDINARY_TOKENS, StrataServer, free_port
+from .peers import ORDINARY_TOKENS
 from .report import median, ratio
 from .serve import resolve_model
+from .strata_server import StrataServer, free_port
 
 POLL_S = 0.02
 

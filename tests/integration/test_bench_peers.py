@@ -20,3 +20,33 @@ def test_peers_run_strata_and_transformers_on_one_checkpoint(tmp_path, arch):
     assert all(r["decode_tok_s"] > 0 for r in result["rows"])
     assert any("greedy check: Strata's first 4 greedy tokens equal transformers'" in n for n in result["notes"]), \
         result["notes"]
+
+
+def _llama_server() -> str | None:
+    from stages.llama_server import find_binary
+
+    found = find_binary()
+    return str(found) if found else None
+
+
+@pytest.mark.skipif(_llama_server() is None, reason="llama-server is not built (python -m stages.bench_peers "
+                                                    "build-llama-server); CI never builds it")
+def test_peers_mixed_workload_on_strata_and_llama_server(tmp_path):
+    assert main(["peers", "--workload", "mixed", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                 "--intermediate", "128", "--prompt-tokens", "16", "--output-tokens", "6", "--requests", "6",
+                 "--prompt-range", "8-48", "--output-range", "2-8", "--slots", "2", "--threads", "2",
+                 "--peers", "strata-1,llama-server,llama-server-f32", "--out", str(tmp_path), "--no-plot"]) == 0
+    result = json.loads((tmp_path / "peers.json").read_text())
+    rows = {r["peer"]: r for r in result["rows"]}
+    assert set(rows) == {"strata-1", "llama-server", "llama-server-f32"}, result["notes"]
+    for row in rows.values():
+        assert row["requests"] == 6 and row["failed"] == 0 and row["short"] == 0, result["notes"]
+        assert row["makespan_s"] > 0 and row["out_tok_s"] > 0
+    assert rows["strata-1"]["output_tokens"] == rows["llama-server"]["output_tokens"]  # from usage, same workload
+    assert rows["strata-1"]["prompt_tokens"] == rows["llama-server"]["prompt_tokens"]
+    assert rows["llama-server"]["out_tok_s_vs_ls"] == 1.0
+    notes = "\n".join(result["notes"])
+    assert "greedy check: Strata's first 6 greedy tokens equal transformers'" in notes, notes
+    for peer in ("llama-server", "llama-server-f32"):
+        assert f"greedy check: {peer}'s" in notes and f"{peer}'s greedy token ids DIFFER" not in notes \
+            and f"{peer}'s first 6 greedy token ids DIFFER" not in notes, notes
