@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     model_dir = ensure_tiny("tiny")
     ckpt = load_checkpoint(model_dir)
-    model = StageModel(ckpt, 1, 2, "cpu", torch.float32)  # a middle layer: hidden in, hidden out
+    model = StageModel(ckpt, 1, 2, "cpu", torch.float32, pack_weights=False)  # a middle layer; plain F.linear like the contiguous side
     rows = []
     for ctx in args.contexts:
         setup = Setup(model, ctx, args.slots, args.chunk_cells, seed=ctx)

@@ -41,6 +41,8 @@ A GGUF file's quantized weights stay quantized (stages/quant_linear.py): the lay
 QuantLinear (or a RowStack, when a fused projection's parts are stored in different formats) where a float
 weight would be, fused before packing and without row views of the parts; `linear(x, w, bias)` multiplies
 either kind, and the embedding is a QuantEmbedding. `keep_quantized=False` dequantizes them at load instead.
+On a CPU stage the float weights a step multiplies are then packed for oneDNN (stages/packed_linear.py; the
+parts' row views are dropped with the plain copy; `pack_weights=False` keeps the plain tensors and views).
 Rotary cos/sin are kept per position in a table grown on demand (except `dynamic` rope, whose frequencies
 depend on the context length).
 """
@@ -58,6 +60,7 @@ from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
 from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
+from stages.packed_linear import pack_layer, pack_weight
 from stages.quant_linear import (Planes, QuantEmbedding, RowStack, embed, fuse_rows, kernel_dtype_ok, linear, pack,
                                  take_rows, weight_bytes)
 from stages.rope import Rope, apply_rope
@@ -198,6 +201,7 @@ class StageModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         keep_quantized: bool = True,
+        pack_weights: bool = True,
     ) -> None:
         n = ckpt.num_layers
         if not 0 <= first < last <= n:
@@ -243,6 +247,10 @@ class StageModel:
             self.embed = QuantEmbedding(self.embed, self.dtype, self.device)
         if isinstance(self.lm_head, Planes):
             self.lm_head = pack(self.lm_head, self.dtype, self.device)
+        if pack_weights and self.device.type == "cpu":  # stages/packed_linear.py
+            self.layers = [pack_layer(layer) for layer in self.layers]
+            if self.lm_head is not self.embed:  # a tied table the embedding reads stays one plain copy
+                self.lm_head = pack_weight(self.lm_head)
 
     def _pack(self, layer: dict) -> dict:
         """A layer's dict with its Planes packed (QuantLinear, lists of them for experts)."""

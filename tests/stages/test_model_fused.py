@@ -11,7 +11,7 @@ from stages.tiny import make_tiny_model
 
 def test_fused_weights_are_the_checkpoints_rows_and_the_parts_are_views(tmp_path):
     ckpt = load_checkpoint(make_tiny_model(tmp_path / "m", arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2))
-    m = StageModel(ckpt, 0, 2)
+    m = StageModel(ckpt, 0, 2, pack_weights=False)  # the plain layout (packed: tests/stages/test_packed_linear.py)
     raw = ckpt.tensors([f"model.layers.1.self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias")])
     w = m.layers[1]
     want = torch.cat([raw[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])

@@ -92,10 +92,11 @@ class Stack:
     """One or more StageModels over consecutive layer ranges, each with its own noise-filled KVCache."""
 
     def __init__(self, ckpt_dir, splits: list[int], kv_dtype: str = "float32", seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, pack_weights: bool = True):
         ckpt = load_checkpoint(ckpt_dir)
         bounds = [0, *splits, ckpt.num_layers]
-        self.models = [StageModel(ckpt, a, b, "cpu", dtype) for a, b in zip(bounds, bounds[1:])]
+        self.models = [StageModel(ckpt, a, b, "cpu", dtype, pack_weights=pack_weights)
+                       for a, b in zip(bounds, bounds[1:])]
         g = torch.Generator().manual_seed(seed)
         self.kvs = []
         for m in self.models:

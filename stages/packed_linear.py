@@ -1,0 +1,114 @@
+"""Float weights of a CPU stage packed once, at load, into oneDNN's blocked layout for its matmul.
+
+`F.linear` on a CPU runs the BLAS torch was built with (MKL), which re-lays-out the weight on every call and,
+on CPUs it does not tune for, keeps to narrower vector code: a decode step of a few rows pays for it on every
+weight of every layer. oneDNN (torch.ops.mkldnn, part of every torch CPU build with mkldnn) multiplies from a
+weight packed once into its own blocked layout, for the CPU's widest instruction set. Measured on the 104M
+qwen3's [3072, 768] projection, 2 threads of the CI box (AMD EPYC, AVX-512): 1 row 0.31 -> 0.11 ms, 4 rows
+0.68 -> 0.16 ms, 32 rows 1.5 -> 0.76 ms, 512 rows 16.2 -> 11.0 ms (docs/BENCHMARKS.md, "Packed weights").
+
+Rules:
+1. Only on a CPU stage, float32 or bfloat16 weights, when torch has the oneDNN ops and they pass a check at
+   first use (`available(dtype)`: a packed product equals F.linear on a seeded input to float rounding); anywhere
+   else the weights stay plain tensors and nothing changes. `STRATA_PACKED_WEIGHTS=0` turns packing off.
+2. `pack_layer(layer)` packs the 2-D weights a step multiplies through `quant_linear.linear` (PACKED: the fused
+   projections, the linear-attention projections, the dense shared expert) and drops the row views of their
+   parts (q_proj of qkv, ...), so the plain weight is freed: one copy of each weight is kept, never two. The
+   routed experts (stacked [E, N, K], indexed per expert) and kept-quantized weights stay as they are.
+3. One packing serves every number of rows (PACK_ROWS is only oneDNN's hint); a packed weight multiplies the
+   same rows as F.linear to float32 rounding (summation order differs), which the oracle tests bound
+   (tests/stages/test_packed_linear.py and the transformers comparisons of the served path).
+4. `nbytes` is the plain weight's size (the blocked layout pads to its block, a few rows at most).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+PACK_ROWS = 512  # oneDNN's batch hint at packing; any row count multiplies
+PACKED = ("qkv.weight", "self_attn.o_proj.weight", "gate_up.weight", "mlp.down_proj.weight", "linear.in_proj",
+          "linear_attn.out_proj.weight", "shared_expert.gate_up", "mlp.shared_expert.down_proj.weight")
+PARTS = {  # the row views stages/model.py's _fuse leaves beside a fused weight
+    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.q_gate.weight"),
+    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _ops_present() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@lru_cache(maxsize=None)
+def available(dtype: torch.dtype) -> bool:
+    """Rule 1: packed weights of `dtype` work here (checked once per dtype and process)."""
+    if os.environ.get("STRATA_PACKED_WEIGHTS", "1") == "0" or dtype not in DTYPES or not _ops_present():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 96, generator=g).to(dtype)
+    b = torch.randn(80, generator=g).to(dtype)
+    try:
+        with torch.inference_mode():
+            packed = PackedLinear(w)
+            for rows in (1, 3, 37):
+                x = torch.randn(rows, 96, generator=g).to(dtype)
+                want = F.linear(x.double(), w.double(), b.double())
+                got = packed(x, b).double()
+                tol = 1e-4 if dtype == torch.float32 else 5e-2
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * 10):
+                    return False
+    except RuntimeError:  # an op the build lacks, or a CPU it cannot run on
+        return False
+    return True
+
+
+class PackedLinear:
+    """A `[N, K]` float weight in oneDNN's blocked layout; `linear(x, w, bias)` multiplies it (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self.device = weight.device
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if bias is not None and bias.dtype != self.dtype:
+            bias = bias.to(self.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def packable(w: object) -> bool:
+    """A plain 2-D float weight on the CPU that rule 1 allows packing."""
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype in DTYPES
+            and available(w.dtype))
+
+
+def pack_layer(layer: dict) -> dict:
+    """Rule 2: the layer's PACKED weights packed, the row views of their parts dropped (in place; returned)."""
+    for name in PACKED:
+        w = layer.get(name)
+        if not packable(w):
+            continue
+        base = w.untyped_storage().data_ptr()
+        for key in PARTS.get(name, ()):
+            part = layer.get(key)
+            if isinstance(part, torch.Tensor) and part.untyped_storage().data_ptr() == base:
+                del layer[key]  # a row view of the fused weight: it would keep the plain copy alive
+        layer[name] = PackedLinear(w)
+    return layer
+
+
+def pack_weight(w: object) -> object:
+    """One weight (the lm_head) packed when it is packable, else unchanged."""
+    return PackedLinear(w) if packable(w) else w
