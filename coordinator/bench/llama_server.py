@@ -19,21 +19,16 @@ reference's for as many as it generated, and a stop at an end-of-generation toke
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from . import run_child
+from .strata_server import ServerProcess
 
 PEERS = ("llama-server", "llama-server-f32")
-STARTUP_S = 300.0
 STOP_S = 15.0
 
 
@@ -59,59 +54,14 @@ def server_args(binary: str, gguf: str, port: int, slots: int, cells_per_slot: i
             "-ctk", kv, "-ctv", kv, "-fa", flash_attn, "--no-webui"]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started it dies (Linux prctl PR_SET_PDEATHSIG)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+class LlamaServer(ServerProcess):
+    """llama-server on a command line (/health answers 200 once the model is loaded)."""
 
+    name = "llama-server"
 
-class LlamaServer:
-    """llama-server on a command line, as a context manager: waits for /health (200 once the model is loaded),
-    stops it with SIGTERM, then SIGKILL, whatever happened in between."""
-
-    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
-        self.cmd, self.port, self.log_path = cmd, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "LlamaServer":
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def _wait_healthy(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"llama-server did not answer /health in {STARTUP_S:g} s: {self.tail()}")
-
-    def tail(self, n: int = 1500) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+    @property
+    def stop_s(self) -> float:  # read at stop time, so a test can shorten it
+        return STOP_S
 
 
 def greedy_ids(url: str, prompt: list[int], n: int) -> tuple[list[int], str]:

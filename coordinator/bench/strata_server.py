@@ -46,45 +46,78 @@ def strata_config(model_dir: str, n_stages: int, n_layers: int, threads: int, po
     }
 
 
-class StrataServer:
-    """`strata up` on a config file, as a context manager: waits for /health, stops it with SIGTERM."""
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
 
-    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
-        self.config_path, self.port, self.log_path = config_path, port, log_path
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+class ServerProcess:
+    """A server on a command line, as a context manager: started in its own session (and, on Linux, sent SIGTERM
+    when this process dies), entered once /health answers 200, stopped with SIGTERM and then SIGKILL after
+    `stop_s`, whatever happened in between; a server that exits or stays unhealthy for STARTUP_S is an error
+    ending with its log's tail."""
+
+    name = "server"
+    stop_s = 30.0
+    poll_s = 0.25
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+        self.cmd, self.port, self.log_path = cmd, port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "StrataServer":
+    def __enter__(self):
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--config", str(self.config_path)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"strata up exited with {self.proc.returncode}: {self.tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"strata up did not answer /health in {STARTUP_S:g} s: {self.tail()}")
+            time.sleep(self.poll_s)
+        raise RuntimeError(f"{self.name} did not answer /health in {STARTUP_S:g} s: {self.tail()}")
 
     def tail(self, n: int = 1500) -> str:
         self._log.flush()
-        return self.log_path.read_text()[-n:]
+        return self.log_path.read_text(errors="replace")[-n:]
 
     def __exit__(self, *exc: object) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # `strata up` stops its children, then exits
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=self.stop_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
 
+
+class StrataServer(ServerProcess):
+    """`strata up` on a config file (it stops its children on SIGTERM, then exits)."""
+
+    name = "strata up"
+
+    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
+        super().__init__([sys.executable, "-m", "coordinator.cli", "up", "--config", str(config_path)], port,
+                         log_path)
+        self.config_path = config_path
 
 
 def stage_weight_bytes(url: str) -> list[float]:
