@@ -377,9 +377,9 @@ class Scheduler:
         log.error("step %s failed: %r", step, err)
         return EngineError.internal(f"step {step} failed: {err}")
 
-    def _fail_step(self, members: list[Job], err: EngineError) -> None:
+    def _fail_step(self, members: list[Job], err: EngineError, sent: bool = True) -> None:
         for job in members:
-            job.in_flight -= 1
+            job.in_flight -= sent  # a step the link refused never counted as in flight
             self._fail(job, err)  # a later piece of it still in flight comes back to a done job
 
     async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job]) -> None:
@@ -525,7 +525,7 @@ class Scheduler:
             try:
                 fut = self.link.submit(header, tokens)  # on the wire before any later op
             except Exception as err:  # noqa: BLE001 - e.g. a stage just went down, a header the wire refuses
-                self._fail_step(members, self._step_error(err, header["step"]))
+                self._fail_step(members, self._step_error(err, header["step"]), sent=False)
                 continue
             for job in members:
                 job.in_flight += 1

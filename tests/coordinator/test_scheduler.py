@@ -315,14 +315,20 @@ class PieceLink(CellLink):
     """Records which steps were in flight together; the step numbered `fail_step` fails on a stage after the next
     one was sent (as a stage failing a piece while the following piece is already on the wire)."""
 
-    def __init__(self, cfg, fail_step: int | None = None) -> None:
+    def __init__(self, cfg, fail_step: int | None = None, refuse_step: int | None = None) -> None:
         super().__init__(cfg, delay=0.01)
-        self.fail_step = fail_step
+        self.fail_step, self.refuse_step = fail_step, refuse_step
+        self.sched: Scheduler | None = None
+        self.jobs: list = []  # every job a step carried, to check their counts at the end
         self.sent: list[list] = []
         self.overlaps = 0  # steps sent while an earlier one had not come back
         self.pending: list[asyncio.Future] = []
 
     def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        if self.sched is not None:
+            self.jobs += [self.sched.jobs[row[0]] for row in header["slots"]]
+        if header["step"] == self.refuse_step:  # the link refuses it at once (as a stage that just went down)
+            raise StageDown(0, "refused")
         self.sent.append(header["slots"])
         self.pending = [f for f in self.pending if not f.done()]
         if self.pending:
@@ -355,19 +361,21 @@ async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
     await sched.stop()
 
 
-@pytest.mark.parametrize("how", ["fail", "cancel"])
+@pytest.mark.parametrize("how", ["fail", "refused", "cancel"])
 async def test_a_prompt_ended_with_a_piece_in_flight_frees_its_slot_once(how):
-    """A piece fails (or the client goes) while the next piece is in flight: the request ends once, the late
-    piece's answer changes nothing, and the pool's cells all come back."""
+    """A piece fails on a stage, or the link refuses the next piece, or the client goes, while a piece is in
+    flight: the request ends once, the late piece's answer changes nothing, every step the job was in is
+    counted back, and the pool's cells all come back."""
     cfg = make_cfg(True, parallel=1)
     prompt = list(range(300, 400))
-    link = PieceLink(cfg, fail_step=1 if how == "fail" else None)
+    link = PieceLink(cfg, fail_step=1 if how == "fail" else None, refuse_step=2 if how == "refused" else None)
     sched = Scheduler(cfg, link)
+    link.sched = sched
     await sched.start()
-    if how == "fail":
+    if how != "cancel":
         with pytest.raises(EngineError) as err:
             await run(sched, req(prompt))
-        assert err.value.code == "step_failed"
+        assert err.value.code == ("step_failed" if how == "fail" else "stage_down")
     else:
         task = asyncio.ensure_future(run(sched, req(prompt)))
         for _ in range(2000):
@@ -383,6 +391,7 @@ async def test_a_prompt_ended_with_a_piece_in_flight_frees_its_slot_once(how):
             break
         await asyncio.sleep(0.01)
     assert sched.jobs[0] is None and sched.in_flight == 0
+    assert link.jobs and all(job.in_flight == 0 for job in link.jobs)
     out, _ = await run(sched, req(prompts()[1]))
     assert out == (await solo(cfg, prompts()[1]))[0]
     assert_pool_accounted(sched)
