@@ -284,8 +284,7 @@ async def run_level(client: httpx.AsyncClient, cfg: ServeConfig, concurrency: in
     return row
 
 
-async def stage_time(client: httpx.AsyncClient) -> list[dict] | None:
-    """A Strata server's per-stage time counters (/metrics JSON `live.stages`); None from any other server."""
+async def _stage_time_once(client: httpx.AsyncClient) -> list[dict] | None:
     try:
         r = await client.get("/metrics", params={"format": "json"})
         return r.json()["live"]["stages"] if r.status_code == 200 else None
@@ -293,10 +292,33 @@ async def stage_time(client: httpx.AsyncClient) -> list[dict] | None:
         return None
 
 
+SETTLE_S = 0.6  # stage counters unchanged this long: every step that ran is in them (heartbeats: 250 ms)
+
+
+async def stage_time(client: httpx.AsyncClient, settle_s: float = SETTLE_S, limit_s: float = 5.0) -> list[dict] | None:
+    """A Strata server's per-stage time counters (/metrics JSON `live.stages`), read once their busy seconds stop
+    changing for `settle_s` (the stages report them with each heartbeat, so a read right after a level would miss
+    its last steps), at most `limit_s`; None from any other server."""
+    last = await _stage_time_once(client)
+    if last is None:
+        return None
+    t0 = same_since = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        await asyncio.sleep(0.1)
+        now = await _stage_time_once(client)
+        if now is None:
+            return last
+        if [s.get("busy_s") for s in now] != [s.get("busy_s") for s in last]:
+            last, same_since = now, time.perf_counter()
+        elif time.perf_counter() - same_since >= settle_s:
+            break
+    return last
+
+
 def busy_fractions(before: list[dict] | None, after: list[dict] | None, wall_s: float) -> dict[str, Any]:
     """`stage_busy`: each stage's share of the level's wall time spent computing steps ("0.93 0.88"), and
     `bubble`: 1 - their mean (the pipeline's idle share); None when the server does not report stage time.
-    The counters come from the stages' last heartbeat, so a level shorter than a few heartbeats reads low."""
+    The counters are read settled (`stage_time`), before and after the level."""
     if not before or not after or len(before) != len(after) or wall_s <= 0:
         return {"stage_busy": None, "bubble": None}
     fractions = [max(0.0, (a["busy_s"] - b["busy_s"]) / wall_s) for b, a in zip(before, after)]

@@ -24,6 +24,8 @@ What is reported (workload_stats), from the client's side of HTTP; every request
                 back by the server until its text is whole; with none, the stream's end)
     latency     send to the end of the stream (end to end), mean/p50/p90/p99
     out_tok_s   output tokens / makespan
+    stage_busy  a Strata server's stages: each one's share of the makespan spent computing steps, and bubble =
+                1 - their mean (serve.py's busy_fractions; None from a server without Strata's /metrics)
 Percentiles are report.percentile's (linear between closest ranks); a failed request (an HTTP error, an error
 in the stream, no token) is counted and left out of the times and tokens.
 """
@@ -36,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .report import percentile, ratio
-from .serve import RequestResult, ServeConfig, make_client, resolve_model, stream_request
+from .serve import RequestResult, ServeConfig, busy_fractions, make_client, resolve_model, stage_time, stream_request
 
 PREFIX_IDS = 8  # prompts differ within their first PREFIX_IDS ids
 
@@ -193,7 +195,8 @@ def workload_stats(run: WorkloadRun, work: list[WorkRequest]) -> dict[str, Any]:
 
 
 COLUMNS = ["requests", "failed", "short", "prompt_tokens", "output_tokens", "makespan_s", "ttft_p50_ms",
-           "ttft_p90_ms", "ttft_p99_ms", "e2e_mean_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "out_tok_s"]
+           "ttft_p90_ms", "ttft_p99_ms", "e2e_mean_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "out_tok_s",
+           "stage_busy", "bubble"]
 
 
 async def measure_workload(url: str, spec: WorkloadSpec, api_key: str | None = None, model: str | None = None,
@@ -205,8 +208,11 @@ async def measure_workload(url: str, spec: WorkloadSpec, api_key: str | None = N
     async with make_client(url, api_key, timeout_s, len(work) + 2) as client:
         if cfg.model is None:
             cfg.model = await resolve_model(client)
+        before = await stage_time(client)
         run = await run_workload(client, cfg, work)
-    return {**workload_stats(run, work), "model": cfg.model}
+        row = workload_stats(run, work)
+        row.update(busy_fractions(before, await stage_time(client), row["makespan_s"] or 0.0))
+    return {**row, "model": cfg.model}
 
 
 def run_mixed_serve(url: str, spec: WorkloadSpec, api_key: str | None = None, model: str | None = None,
