@@ -10,8 +10,10 @@ Each loop turn:
      piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
-With S stages, a step carries at most ceil(active / S) slots, so up to S groups are in flight and every
-stage works at the same time.
+With S stages, a step carries at most ceil(active / S) decoding slots, so up to S groups are in flight and
+every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`), so a
+step full of decoders still carries a piece and the steps in flight cost about the same: a step of decoders
+alone beside one with a 512-token piece would leave each stage idle while the other computes the piece.
 
 Prefix sharing (pool on, `engine.share_prefixes`; coordinator/prefix_sharing.py): a new request maps the full
 chunks another conversation (held or running) has written for the same first tokens and prefills the rest; a
@@ -317,9 +319,14 @@ class Scheduler:
             checkpoints = self.cache.entries.checkpoints
         restores: list[list[int]] = []
         keeps: list[list[int]] = []
-        for job in ready[:cap]:
+        decoders = 0
+        for job in ready:
             start = job.sent
             todo = len(job.tokens) - start
+            if not job.prefilling:  # decoders are the slots a step's cap counts; prefill pieces join any step
+                if decoders >= cap:
+                    continue
+                decoders += 1
             if job.prefilling:
                 if budget <= 0:
                     continue

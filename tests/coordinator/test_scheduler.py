@@ -396,3 +396,30 @@ async def test_a_prompt_ended_with_a_piece_in_flight_frees_its_slot_once(how):
     assert out == (await solo(cfg, prompts()[1]))[0]
     assert_pool_accounted(sched)
     await sched.stop()
+
+
+async def test_a_prefill_piece_joins_a_step_full_of_decoders():
+    """Scheduler: the cap of ceil(active / S) slots per step counts decoders only. Three slots decode (cap 2 of 4
+    active on 2 stages) when a long prompt arrives: a step carrying 2 decoders also carries a piece of it, and
+    every answer is its solo answer."""
+    cfg = make_cfg(True, parallel=4)
+    link = PieceLink(cfg)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    short = prompts()[:3]
+    runs = [asyncio.ensure_future(run(sched, req(p, max_tokens=40, rid=f"d{i}"))) for i, p in enumerate(short)]
+    for _ in range(2000):
+        if sum(1 for j in sched.jobs if j is not None and j.generated > 0) == 3:
+            break
+        await asyncio.sleep(0.001)
+    long_prompt = list(range(300, 400))
+    first = len(link.sent)
+    runs.append(asyncio.ensure_future(run(sched, req(long_prompt, rid="long"))))
+    outs = await asyncio.gather(*runs)
+    mixed = [rows for rows in link.sent[first:] if sum(1 for r in rows if r[2] == 1) == 2
+             and any(r[2] > 1 for r in rows)]
+    assert mixed, link.sent[first:]
+    for (out, _), prompt, n in zip(outs, [*short, long_prompt], [40, 40, 40, 12]):
+        assert out == (await solo(cfg, prompt, max_tokens=n))[0]
+    assert_pool_accounted(sched)
+    await sched.stop()
