@@ -96,7 +96,14 @@ async def test_an_unconstrained_request_beside_constrained_ones_keeps_its_solo_t
         constrained = [request(tok, f"c{i}", "Weather?", {"temperature": 1.0, "seed": 20 + i}, grammar)
                        for i in range(2)]
         headers.clear()
-        together = await asyncio.gather(*(run(sched, r) for pair in zip(constrained, plain) for r in pair))
+        tasks = []
+        for r in (r for pair in zip(constrained, plain) for r in pair):  # slots 0-3: c0, p0, c1, p1
+            tasks.append(asyncio.ensure_future(run(sched, r)))
+            for _ in range(2000):  # admitted before the next one arrives, so each step group mixes the two kinds
+                if any(j is not None and j.req.request_id == r.request_id for j in sched.jobs):
+                    break
+                await asyncio.sleep(0.001)
+        together = await asyncio.gather(*tasks)
         for (tokens, fin), r in zip(together[::2], constrained):
             assert fin.reason == "stop" and valid(tok.decode(tokens)), tok.decode(tokens)
         assert [t for t, _ in together[1::2]] == [t for t, _ in alone]
