@@ -323,11 +323,7 @@ class Scheduler:
         for job in ready:
             start = job.sent
             todo = len(job.tokens) - start
-            if not job.prefilling:  # decoders are the slots a step's cap counts; prefill pieces join any step
-                if decoders >= cap:
-                    continue
-                decoders += 1
-            if job.prefilling:
+            if job.prefilling:  # prefill pieces join any step, within the budget; the cap counts decoders
                 if budget <= 0:
                     continue
                 n = min(todo, budget)
@@ -335,6 +331,9 @@ class Scheduler:
                     n = min(n, (start // c + 1) * c - start)  # a piece ends at the next boundary (rule 2)
                 budget -= n
             else:
+                if decoders >= cap:
+                    continue
+                decoders += 1
                 n = 1
                 if not self.cache.reserve(job.slot, start + 1):
                     self._finish(job, "length", truncated=True)
