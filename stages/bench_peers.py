@@ -69,28 +69,32 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
+def _hf_model(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+
+
+def _generate(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' greedy `generate` of n tokens after the prompts `ids` (a batch of one length)."""
+    with torch.inference_mode():
+        # eos_token_id None: no EOS stops the run and none is masked (min_new_tokens would mask it)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+
+
+def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
+    model = _hf_model(args)
     rows, greedy = [], []
     prompts = load_prompts(args.prompts)
     for b in args.batches:
         ids = torch.tensor(prompts[b])
         n_prompt = ids.shape[1]
-        mask = torch.ones_like(ids)
-
-        def gen(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> torch.Tensor:
-            with torch.inference_mode():
-                # eos_token_id None: no EOS stops the run and none is masked (min_new_tokens would mask it)
-                return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                      pad_token_id=0, eos_token_id=None)
-
-        t_first = timeit(lambda: gen(1), args.repeats)
-        t_all = timeit(lambda: gen(args.output_tokens), args.repeats)
+        t_first = timeit(lambda: _generate(model, ids, 1), args.repeats)
+        t_all = timeit(lambda: _generate(model, ids, args.output_tokens), args.repeats)
         if b == 1:
-            greedy = gen(args.output_tokens)[0, n_prompt:].tolist()
+            greedy = _generate(model, ids, args.output_tokens)[0, n_prompt:].tolist()
         rows.append({"peer": "transformers", "concurrency": b, **rates(b, n_prompt, args.output_tokens,
                                                                        t_first, t_all)})
         print(f"  transformers batch {b}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -100,15 +104,8 @@ def cmd_hf(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_greedy(args: argparse.Namespace) -> dict[str, Any]:
     """transformers' first --output-tokens greedy ids for the batch-1 prompt (the check the server peers are held
     to when transformers is not timed), generated as cmd_hf generates them."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(load_prompts(args.prompts)[1])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_tokens,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-    return {"greedy_ids": out[0, ids.shape[1]:].tolist()}
+    return {"greedy_ids": _generate(_hf_model(args), ids, args.output_tokens)[0, ids.shape[1]:].tolist()}
 
 
 def export_gguf(model_dir: str, out: Path, qtype: str = "F32") -> Path:
