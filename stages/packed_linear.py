@@ -74,11 +74,8 @@ class PackedLinear:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         self.device = weight.device
+        self.nbytes = weight.numel() * weight.element_size()  # rule 4
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype:

@@ -82,7 +82,7 @@ def test_the_server_is_waited_for_and_stopped_also_on_errors(stand_in, tmp_path:
 
 
 def test_a_server_that_ignores_sigterm_is_killed(stand_in, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(llama_server, "STOP_S", 0.3)
+    monkeypatch.setattr(llama_server.LlamaServer, "stop_s", 0.3)
     cmd, port = stand_in("--ignore-term")
     with llama_server.LlamaServer(cmd, port, tmp_path / "ls.log") as server:
         proc = server.proc
