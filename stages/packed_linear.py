@@ -19,6 +19,12 @@ Rules:
    same rows as F.linear to float32 rounding (summation order differs), which the oracle tests bound
    (tests/stages/test_packed_linear.py and the transformers comparisons of the served path).
 4. `nbytes` is the plain weight's size (the blocked layout pads to its block, a few rows at most).
+5. A product of fewer than MIN_ROWS rows is computed as MIN_ROWS rows, the extra rows zeros, and cut back:
+   oneDNN multiplies 1 or 2 rows with kernels that read the weight slower than its kernel for 4 (the 104M
+   qwen3's 48 products of one decode step, weights streamed from memory, 2 threads of the CI box: 1 row
+   17.9 -> 16.0 ms padded, 2 rows 19.7 -> 15.7, where 4 rows take 15.3; docs/BENCHMARKS.md). Rows of a
+   product are independent, so the real rows' values are those of a 4-row product.
+   `STRATA_PACKED_MIN_ROWS=0` turns it off (a CPU whose oneDNN kernels for 1 row are the fast ones).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS = 512  # oneDNN's batch hint at packing; any row count multiplies
+MIN_ROWS = int(os.environ.get("STRATA_PACKED_MIN_ROWS", "4"))  # rule 5
 PACKED = ("qkv.weight", "self_attn.o_proj.weight", "gate_up.weight", "mlp.down_proj.weight", "linear.in_proj",
           "linear_attn.out_proj.weight", "shared_expert.gate_up", "mlp.shared_expert.down_proj.weight")
 PARTS = {  # the row views stages/model.py's _fuse leaves beside a fused weight
@@ -82,6 +89,11 @@ class PackedLinear:
             x = x.to(self.dtype)
         if bias is not None and bias.dtype != self.dtype:
             bias = bias.to(self.dtype)
+        rows = x.shape[0]
+        if x.dim() == 2 and rows < MIN_ROWS:  # rule 5
+            out = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, MIN_ROWS - rows)), self.packed, bias,
+                                                     "none", [], "")
+            return out[:rows]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 

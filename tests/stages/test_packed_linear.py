@@ -16,7 +16,7 @@ from stages.tiny import make_tiny_model
 pytestmark = pytest.mark.skipif(not available(torch.float32), reason="torch has no oneDNN linear here")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 64, 300])
 def test_a_packed_weight_multiplies_every_row_count_like_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
@@ -29,6 +29,18 @@ def test_a_packed_weight_multiplies_every_row_count_like_f_linear(rows):
         ref = want if bias is not None else want - b.double()
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     assert p.nbytes == w.numel() * 4
+
+
+def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product():
+    """Rule 5: a product of 1-3 rows is a 4-row product cut back, so a lone decode row gets the values it gets
+    in a step of 4 (oneDNN's own 1-row kernel sums a 3072-long row in another order)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(768, 3072, generator=g), torch.randn(768, generator=g)
+    x = torch.randn(4, 3072, generator=g)
+    p = PackedLinear(w)
+    full = linear(x, p, b)
+    for rows in (1, 2, 3):
+        assert torch.equal(linear(x[:rows], p, b), full[:rows]), rows
 
 
 def test_packing_a_layer_drops_the_part_views_and_keeps_the_rest(tmp_path):
