@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS = 512  # oneDNN's batch hint at packing; any row count multiplies
-MIN_ROWS = int(os.environ.get("STRATA_PACKED_MIN_ROWS", "4"))  # rule 5
 PACKED = ("qkv.weight", "self_attn.o_proj.weight", "gate_up.weight", "mlp.down_proj.weight", "linear.in_proj",
           "linear_attn.out_proj.weight", "shared_expert.gate_up", "mlp.shared_expert.down_proj.weight")
 PARTS = {  # the row views stages/model.py's _fuse leaves beside a fused weight
@@ -44,6 +43,17 @@ PARTS = {  # the row views stages/model.py's _fuse leaves beside a fused weight
     "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _min_rows() -> int:
+    """Rule 5's row count from STRATA_PACKED_MIN_ROWS (default 4)."""
+    raw = os.environ.get("STRATA_PACKED_MIN_ROWS", "4")
+    if not raw.strip().isdigit():
+        raise ValueError(f"STRATA_PACKED_MIN_ROWS must be a whole number of rows (0 turns padding off), got {raw!r}")
+    return int(raw)
+
+
+MIN_ROWS = _min_rows()  # rule 5
 
 
 def _ops_present() -> bool:

@@ -43,6 +43,16 @@ def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product():
         assert torch.equal(linear(x[:rows], p, b), full[:rows]), rows
 
 
+def test_the_padding_row_count_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "0")
+    assert packed_linear._min_rows() == 0
+    monkeypatch.delenv("STRATA_PACKED_MIN_ROWS")
+    assert packed_linear._min_rows() == 4
+    monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "four")
+    with pytest.raises(ValueError, match="STRATA_PACKED_MIN_ROWS must be a whole number"):
+        packed_linear._min_rows()
+
+
 def test_packing_a_layer_drops_the_part_views_and_keeps_the_rest(tmp_path):
     ckpt = load_checkpoint(make_tiny_model(tmp_path / "m", arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2))
     plain = StageModel(ckpt, 0, 2, pack_weights=False)
