@@ -1,6 +1,8 @@
 """Attention through the chunk tables: write a step's new K/V into the pool, read each slot's context back.
 
-This is the torch reference; a csrc kernel may replace either function with the same signature and layout.
+This is the torch reference; a csrc kernel may replace either function with the same signature and layout. On a
+CPU stage, `paged_attention` hands a decode group to the C kernel of stages/cpu_attention.py when that kernel
+is usable (its rules 1 and 5); `cpu_kernel=False` keeps every group on the reference.
 
     pool (one layer)                       table of slot s (row s of kv.tables, int32)
     k[l]: [N + 1, C, kv_heads, head_dim]   [ 7 | 2 | 9 | N | N | ... ]   N = trash chunk
@@ -34,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stages import cpu_attention
 from stages.batch import AttentionGroup, StepBatch
 from stages.kv_cache import KVCache
 
@@ -174,6 +177,33 @@ def _context(kv: KVCache, layer: int, read: _Read, n_entries: int, dtype: torch.
     return k, v
 
 
+def _sdpa(kv: KVCache, layer: int, read: _Read, g: AttentionGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
+    """One group's attention by `scaled_dot_product_attention` over its context read through the tables."""
+    n_entries, (_, heads, head_dim) = len(g.entries), qg.shape
+    k, v = _context(kv, layer, read, n_entries, qg.dtype)
+    if g.kind == "decode":
+        # One query per entry: the heads that share a kv head become that kv head's query rows
+        # (head h = kv head h // group, as GQA reads), so K/V are never repeated per query head.
+        o = F.scaled_dot_product_attention(
+            qg.reshape(n_entries, kv.kv_heads, heads // kv.kv_heads, head_dim),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=read.mask,
+            scale=scale,
+        )
+        return o.reshape(g.num_rows, heads * head_dim)
+    o = F.scaled_dot_product_attention(
+        qg.view(n_entries, g.max_new, heads, head_dim).transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=read.mask,
+        is_causal=read.causal,
+        scale=scale,
+        enable_gqa=heads != kv.kv_heads,
+    )
+    return o.transpose(1, 2).reshape(g.num_rows, heads * head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     kv: KVCache,
@@ -181,43 +211,25 @@ def paged_attention(
     batch: StepBatch,
     scale: float,
     sliding_window: int | None = None,
+    cpu_kernel: bool = True,
 ) -> torch.Tensor:
     """Causal GQA attention of `q [T, heads, head_dim]` over each slot's context; returns `[T, heads * head_dim]`.
 
     The step's K/V must already be written (`write_kv`), so a token sees the new tokens before it in its own
-    slot. One `scaled_dot_product_attention` call per group of the step (layout in the module docstring).
+    slot. One `scaled_dot_product_attention` call per group of the step (layout in the module docstring), or
+    the CPU decode kernel for the decode group (`cpu_kernel`, module docstring).
     """
     check_table_reach(kv, batch)
     n_tokens, heads, head_dim = q.shape
     out = None
+    kernel = cpu_kernel and cpu_attention.usable(kv, q)
     for index, g in enumerate(batch.groups):
-        read = _read(kv, batch, index, sliding_window)
-        n_entries = len(g.entries)
-        k, v = _context(kv, layer, read, n_entries, q.dtype)
         rows = g.rows
         qg = q[rows.start:rows.stop] if isinstance(rows, range) else q.index_select(0, rows)
-        if g.kind == "decode":
-            # One query per entry: the heads that share a kv head become that kv head's query rows
-            # (head h = kv head h // group, as GQA reads), so K/V are never repeated per query head.
-            o = F.scaled_dot_product_attention(
-                qg.reshape(n_entries, kv.kv_heads, heads // kv.kv_heads, head_dim),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=read.mask,
-                scale=scale,
-            )
-            o = o.reshape(g.num_rows, heads * head_dim)
+        if g.kind == "decode" and kernel:
+            o = cpu_attention.paged_decode(qg, kv, layer, g, scale, sliding_window)
         else:
-            o = F.scaled_dot_product_attention(
-                qg.view(n_entries, g.max_new, heads, head_dim).transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=read.mask,
-                is_causal=read.causal,
-                scale=scale,
-                enable_gqa=heads != kv.kv_heads,
-            )
-            o = o.transpose(1, 2).reshape(g.num_rows, heads * head_dim)
+            o = _sdpa(kv, layer, _read(kv, batch, index, sliding_window), g, qg, scale)
         if isinstance(rows, range) and rows.start == 0 and rows.stop == n_tokens:
             return o  # one group holds the whole step, rows in order
         if out is None:

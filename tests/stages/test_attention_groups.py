@@ -57,7 +57,7 @@ def test_decodes_in_a_mixed_step_cost_one_query_row_each(monkeypatch):
     batch = StepBatch.from_slots([[0, 400, 1, 1], [1, 400, 1, 1], [2, 400, 1, 1], [3, 0, 256, 1]])
     q = torch.randn(batch.num_tokens, 4, 8)
     write_kv(kv, 0, batch, torch.randn(batch.num_tokens, 2, 8), torch.randn(batch.num_tokens, 2, 8))
-    paged_attention(q, kv, 0, batch, 0.3)
+    paged_attention(q, kv, 0, batch, 0.3, cpu_kernel=False)  # the reference's calls
     # Decodes: 3 entries x 2 kv heads, each kv head's 2 query heads as its rows; no mask (one shared context).
     assert calls == [((3, 2, 2, 8), (3, 2, 401, 8), False, False), ((1, 4, 256, 8), (1, 2, 256, 8), False, True)]
 
@@ -75,12 +75,14 @@ def _random_case(seed: int, kv_dtype: str, consecutive: bool):
     return rng, kv
 
 
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("kv_dtype, consecutive, window", [("float32", False, None), ("float32", True, None),
                                                              ("float32", False, 6), ("float32", True, 3),
                                                              ("int8", False, 5), ("bfloat16", True, None)])
-def test_random_steps_match_the_reference(seed, kv_dtype, consecutive, window):
-    """Random mixes of decodes and prefill pieces, slots in any order, tables consecutive (views) or not."""
+def test_random_steps_match_the_reference(seed, kv_dtype, consecutive, window, cpu_kernel):
+    """Random mixes of decodes and prefill pieces, slots in any order, tables consecutive (views) or not; float32
+    decodes through the CPU kernel (stages/cpu_attention.py) where it is available, or through SDPA."""
     rng, kv = _random_case(seed, kv_dtype, consecutive)
     dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
     tol = {"float32": 1e-5, "bfloat16": 3e-2, "int8": 5e-2}[kv_dtype]
@@ -102,7 +104,7 @@ def test_random_steps_match_the_reference(seed, kv_dtype, consecutive, window):
         t = batch.num_tokens
         q, k, v = (torch.randn(t, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
         write_kv(kv, 0, batch, k, v)
-        out = paged_attention(q, kv, 0, batch, 0.35, window)
+        out = paged_attention(q, kv, 0, batch, 0.35, window, cpu_kernel=cpu_kernel)
         assert out.shape == (t, 32) and out.dtype == dtype
         row = 0
         for slot, start, n, _ in slots:
@@ -130,7 +132,7 @@ def test_view_and_gather_give_the_same_bits():
         read = attention._read(kv, batch, 0, None)
         assert (read.first is not None) == consecutive
         q = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(7))
-        outs.append(paged_attention(q, kv, 0, batch, 0.35))
+        outs.append(paged_attention(q, kv, 0, batch, 0.35, cpu_kernel=False))
     assert torch.equal(outs[0], outs[1])
 
 

@@ -1,0 +1,150 @@
+/* Decode attention of a CPU stage straight through the chunk tables (stages/cpu_attention.py).
+
+   One query token per entry. Entry e (slot slots[e]) sees the cells [lo[e], lens[e]) of its table; cell p lives at
+   flat cell tables[slots[e] * table_stride + p / C] * C + p % C of the layer's pool arrays
+   k, v [cells, kv_heads, head_dim] (float32). The query heads that share kv head h (h * group .. h * group +
+   group - 1, as GQA reads) are scored together, so each K/V row is read once per entry and kv head.
+
+   Per (entry, kv head) the cells go by blocks of at most BLOCK inside one chunk: scores of the block, then an
+   online softmax (running max and sum per query head, the output rescaled when the max grows), then the block's
+   V rows added with their weights. Nothing is gathered or copied; the pool is read once.
+
+   exp is computed here (exp_neg, below) rather than by libm, so the softmax loops vectorize without libmvec.
+   Built with -O3 -march=native -fopenmp for the CPU it runs on; the work of (entry, kv head) pairs is shared by
+   `threads` OpenMP threads (the same libgomp torch has loaded). Returns 0, or -1 on arguments it refuses. */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64
+#define MAX_HEADS 128
+
+/* e^x for x <= 0 (every argument here is a score minus a running max): x = n ln2 + f, |f| <= ln2 / 2,
+   e^f by its Taylor series to f^6 (relative error under 2e-7), 2^n put into the exponent bits. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    const float e = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f +
+                    f * 1.3888889e-3f)))));
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale;
+}
+
+/* Cells [p0, p1) of one entry, every kv head: out the unnormalised sum of weighted V rows per query head
+   [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller). */
+static void attend_range(const float *q, const float *k, const float *v, const int32_t *table, int p0, int p1,
+                         int kv_heads, int group, int head_dim, int chunk_cells, float scale, float *out, float *m,
+                         float *l) {
+    static __thread float s[MAX_HEADS][BLOCK];
+    const int heads = kv_heads * group;
+    const int64_t row_stride = (int64_t)kv_heads * head_dim;
+    for (int r = 0; r < heads; r++) {
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * heads * head_dim);
+    int p = p0;
+    while (p < p1) {
+        const int offset = p % chunk_cells;
+        int n = chunk_cells - offset;
+        if (n > BLOCK) n = BLOCK;
+        if (n > p1 - p) n = p1 - p;
+        const int64_t cell = (int64_t)table[p / chunk_cells] * chunk_cells + offset;
+        const float *kb = k + cell * row_stride, *vb = v + cell * row_stride;
+        for (int i = 0; i < n; i++) {  /* one K row of all kv heads: 1 contiguous read */
+            const float *kr = kb + i * row_stride;
+            for (int r = 0; r < heads; r++) {
+                const float *qr = q + (int64_t)r * head_dim, *kh = kr + (int64_t)(r / group) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; d++) dot += qr[d] * kh[d];
+                s[r][i] = dot * scale;
+            }
+        }
+        for (int r = 0; r < heads; r++) {
+            float mb = m[r];
+            for (int i = 0; i < n; i++) mb = s[r][i] > mb ? s[r][i] : mb;
+            const float corr = exp_neg(m[r] - mb);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; i++) {
+                s[r][i] = exp_neg(s[r][i] - mb);
+                sum += s[r][i];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mb;
+            if (corr != 1.0f) {
+                float *o = out + (int64_t)r * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) o[d] *= corr;
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            const float *vr = vb + i * row_stride;
+            for (int r = 0; r < heads; r++) {
+                float *o = out + (int64_t)r * head_dim;
+                const float *vh = vr + (int64_t)(r / group) * head_dim, w = s[r][i];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) o[d] += w * vh[d];
+            }
+        }
+        p += n;
+    }
+}
+
+/* q [entries, kv_heads * group, head_dim]; out the same shape. The cells of each entry are cut into parts of
+   `part_cells` (a multiple of chunk_cells), so one long conversation still shares out over the threads; `work`
+   holds each part's partial sums: parts_total * heads * (head_dim + 2) floats. */
+int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *tables,
+                            int64_t table_stride, const int32_t *slots, const int32_t *lens, const int32_t *lo,
+                            int entries, int kv_heads, int group, int head_dim, int chunk_cells, float scale,
+                            int part_cells, const int32_t *part_first, float *work, float *out, int threads) {
+    const int heads = kv_heads * group;
+    if (entries < 0 || kv_heads < 1 || group < 1 || heads > MAX_HEADS || head_dim < 1 || chunk_cells < 1 ||
+        part_cells < 1 || threads < 1)
+        return -1;
+    const int parts = part_first[entries];
+    const int64_t part_floats = (int64_t)heads * (head_dim + 2);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < parts; t++) {
+            int e = 0;
+            while (part_first[e + 1] <= t) e++;
+            const int first = lo[e] / part_cells * part_cells + (t - part_first[e]) * part_cells;
+            const int p0 = first > lo[e] ? first : lo[e];
+            const int p1 = first + part_cells < lens[e] ? first + part_cells : lens[e];
+            float *w = work + t * part_floats;
+            attend_range(q + (int64_t)e * heads * head_dim, k, v, tables + (int64_t)slots[e] * table_stride, p0, p1,
+                         kv_heads, group, head_dim, chunk_cells, scale, w, w + (int64_t)heads * head_dim,
+                         w + (int64_t)heads * (head_dim + 1));
+        }
+#pragma omp for schedule(static)
+        for (int er = 0; er < entries * heads; er++) {  /* merge the parts of entry e, query head r */
+            const int e = er / heads, r = er % heads;
+            float big = -FLT_MAX, total = 0.0f;
+            for (int t = part_first[e]; t < part_first[e + 1]; t++) {
+                const float mt = work[t * part_floats + (int64_t)heads * head_dim + r];
+                big = mt > big ? mt : big;
+            }
+            float *o = out + (int64_t)er * head_dim;
+            memset(o, 0, sizeof(float) * head_dim);
+            for (int t = part_first[e]; t < part_first[e + 1]; t++) {
+                const float *w = work + t * part_floats;
+                const float f = exp_neg(w[(int64_t)heads * head_dim + r] - big);
+                total += f * w[(int64_t)heads * (head_dim + 1) + r];
+                const float *a = w + (int64_t)r * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) o[d] += f * a[d];
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) o[d] *= inv;
+        }
+    }
+    return 0;
+}
