@@ -2,16 +2,17 @@
 
    One query token per entry. Entry e (slot slots[e]) sees the cells [lo[e], lens[e]) of its table; cell p lives at
    flat cell tables[slots[e] * table_stride + p / C] * C + p % C of the layer's pool arrays
-   k, v [cells, kv_heads, head_dim] (float32). The query heads that share kv head h (h * group .. h * group +
-   group - 1, as GQA reads) are scored together, so each K/V row is read once per entry and kv head.
+   k, v [cells, kv_heads, head_dim]: float32, or int8 with k_scale, v_scale [cells, kv_heads] (value = q * scale,
+   as stages/attention.py dequantizes). Query head r reads kv head r / group, as GQA reads.
 
-   Per (entry, kv head) the cells go by blocks of at most BLOCK inside one chunk: scores of the block, then an
-   online softmax (running max and sum per query head, the output rescaled when the max grows), then the block's
-   V rows added with their weights. Nothing is gathered or copied; the pool is read once.
+   A part (a range of one entry's cells, every head) goes by blocks of at most BLOCK cells inside one chunk:
+   scores of the block, then an online softmax (running max and sum per query head, the sums rescaled when the
+   max grows), then the block's V rows added with their weights. Nothing is gathered or copied: each K/V row
+   of the pool is read once, all its kv heads together. The parts of an entry are merged by their maxima.
 
    exp is computed here (exp_neg, below) rather than by libm, so the softmax loops vectorize without libmvec.
-   Built with -O3 -march=native -fopenmp for the CPU it runs on; the work of (entry, kv head) pairs is shared by
-   `threads` OpenMP threads (the same libgomp torch has loaded). Returns 0, or -1 on arguments it refuses. */
+   Built with -O3 -march=native -fopenmp for the CPU it runs on; the parts are shared by `threads` OpenMP
+   threads (the same libgomp torch has loaded). Returns 0, or -1 on arguments it refuses. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -35,77 +36,91 @@ static inline float exp_neg(float x) {
 }
 
 /* Cells [p0, p1) of one entry, every kv head: out the unnormalised sum of weighted V rows per query head
-   [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller). */
-static void attend_range(const float *q, const float *k, const float *v, const int32_t *table, int p0, int p1,
-                         int kv_heads, int group, int head_dim, int chunk_cells, float scale, float *out, float *m,
-                         float *l) {
-    static __thread float s[MAX_HEADS][BLOCK];
-    const int heads = kv_heads * group;
-    const int64_t row_stride = (int64_t)kv_heads * head_dim;
-    for (int r = 0; r < heads; r++) {
-        m[r] = -FLT_MAX;
-        l[r] = 0.0f;
-    }
-    memset(out, 0, sizeof(float) * heads * head_dim);
-    int p = p0;
-    while (p < p1) {
-        const int offset = p % chunk_cells;
-        int n = chunk_cells - offset;
-        if (n > BLOCK) n = BLOCK;
-        if (n > p1 - p) n = p1 - p;
-        const int64_t cell = (int64_t)table[p / chunk_cells] * chunk_cells + offset;
-        const float *kb = k + cell * row_stride, *vb = v + cell * row_stride;
-        for (int i = 0; i < n; i++) {  /* one K row of all kv heads: 1 contiguous read */
-            const float *kr = kb + i * row_stride;
-            for (int r = 0; r < heads; r++) {
-                const float *qr = q + (int64_t)r * head_dim, *kh = kr + (int64_t)(r / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < head_dim; d++) dot += qr[d] * kh[d];
-                s[r][i] = dot * scale;
-            }
-        }
-        for (int r = 0; r < heads; r++) {
-            float mb = m[r];
-            for (int i = 0; i < n; i++) mb = s[r][i] > mb ? s[r][i] : mb;
-            const float corr = exp_neg(m[r] - mb);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < n; i++) {
-                s[r][i] = exp_neg(s[r][i] - mb);
-                sum += s[r][i];
-            }
-            l[r] = l[r] * corr + sum;
-            m[r] = mb;
-            if (corr != 1.0f) {
-                float *o = out + (int64_t)r * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) o[d] *= corr;
-            }
-        }
-        for (int i = 0; i < n; i++) {
-            const float *vr = vb + i * row_stride;
-            for (int r = 0; r < heads; r++) {
-                float *o = out + (int64_t)r * head_dim;
-                const float *vh = vr + (int64_t)(r / group) * head_dim, w = s[r][i];
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) o[d] += w * vh[d];
-            }
-        }
-        p += n;
-    }
+   [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller).
+   T is the pool's element type; KS(c, h) / VS(c, h) the scale of cell c, kv head h (1 for float32). */
+#define DEFINE_RANGE(NAME, T, KS, VS)                                                                          \
+static void NAME(const float *q, const T *k, const T *v, const float *k_scale, const float *v_scale,          \
+                 const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim, int chunk_cells,  \
+                 float scale, float *out, float *m, float *l) {                                                 \
+    static __thread float s[MAX_HEADS][BLOCK];                                                                 \
+    const int heads = kv_heads * group;                                                                        \
+    const int64_t row_stride = (int64_t)kv_heads * head_dim;                                                   \
+    (void)k_scale;                                                                                             \
+    (void)v_scale;                                                                                             \
+    for (int r = 0; r < heads; r++) {                                                                          \
+        m[r] = -FLT_MAX;                                                                                       \
+        l[r] = 0.0f;                                                                                           \
+    }                                                                                                          \
+    memset(out, 0, sizeof(float) * heads * head_dim);                                                          \
+    int p = p0;                                                                                                \
+    while (p < p1) {                                                                                           \
+        const int offset = p % chunk_cells;                                                                    \
+        int n = chunk_cells - offset;                                                                          \
+        if (n > BLOCK) n = BLOCK;                                                                              \
+        if (n > p1 - p) n = p1 - p;                                                                            \
+        const int64_t cell = (int64_t)table[p / chunk_cells] * chunk_cells + offset;                           \
+        for (int i = 0; i < n; i++) { /* one K row of every kv head: one contiguous read */                   \
+            const T *kr = k + (cell + i) * row_stride;                                                         \
+            for (int r = 0; r < heads; r++) {                                                                  \
+                const int h = r / group;                                                                       \
+                const float *qr = q + (int64_t)r * head_dim;                                                   \
+                const T *kh = kr + (int64_t)h * head_dim;                                                      \
+                float dot = 0.0f;                                                                              \
+                _Pragma("omp simd reduction(+ : dot)")                                                         \
+                for (int d = 0; d < head_dim; d++) dot += qr[d] * (float)kh[d];                                \
+                s[r][i] = dot * (KS(cell + i, h)) * scale;                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < heads; r++) {                                                                      \
+            float mb = m[r];                                                                                   \
+            for (int i = 0; i < n; i++) mb = s[r][i] > mb ? s[r][i] : mb;                                      \
+            const float corr = exp_neg(m[r] - mb);                                                             \
+            float sum = 0.0f;                                                                                  \
+            _Pragma("omp simd reduction(+ : sum)")                                                             \
+            for (int i = 0; i < n; i++) {                                                                      \
+                s[r][i] = exp_neg(s[r][i] - mb);                                                               \
+                sum += s[r][i];                                                                                \
+            }                                                                                                  \
+            l[r] = l[r] * corr + sum;                                                                          \
+            m[r] = mb;                                                                                         \
+            if (corr != 1.0f) {                                                                                \
+                float *o = out + (int64_t)r * head_dim;                                                        \
+                _Pragma("omp simd")                                                                            \
+                for (int d = 0; d < head_dim; d++) o[d] *= corr;                                               \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int i = 0; i < n; i++) {                                                                          \
+            const T *vr = v + (cell + i) * row_stride;                                                         \
+            for (int r = 0; r < heads; r++) {                                                                  \
+                const int h = r / group;                                                                       \
+                float *o = out + (int64_t)r * head_dim;                                                        \
+                const T *vh = vr + (int64_t)h * head_dim;                                                      \
+                const float w = s[r][i] * (VS(cell + i, h));                                                   \
+                _Pragma("omp simd")                                                                            \
+                for (int d = 0; d < head_dim; d++) o[d] += w * (float)vh[d];                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+        p += n;                                                                                                \
+    }                                                                                                          \
 }
 
-/* q [entries, kv_heads * group, head_dim]; out the same shape. The cells of each entry are cut into parts of
+#define ONE(c, h) 1.0f
+#define K_SCALE(c, h) k_scale[(c) * kv_heads + (h)]
+#define V_SCALE(c, h) v_scale[(c) * kv_heads + (h)]
+DEFINE_RANGE(range_f32, float, ONE, ONE)
+DEFINE_RANGE(range_i8, int8_t, K_SCALE, V_SCALE)
+
+/* q [entries, kv_heads * group, head_dim]; out the same shape; k_scale, v_scale NULL for a float32 pool. The cells of each entry are cut into parts of
    `part_cells` (a multiple of chunk_cells), so one long conversation still shares out over the threads; `work`
    holds each part's partial sums: parts_total * heads * (head_dim + 2) floats. */
-int strata_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *tables,
-                            int64_t table_stride, const int32_t *slots, const int32_t *lens, const int32_t *lo,
-                            int entries, int kv_heads, int group, int head_dim, int chunk_cells, float scale,
-                            int part_cells, const int32_t *part_first, float *work, float *out, int threads) {
+int strata_paged_decode(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                        int kv_int8, const int32_t *tables, int64_t table_stride, const int32_t *slots,
+                        const int32_t *lens, const int32_t *lo, int entries, int kv_heads, int group, int head_dim,
+                        int chunk_cells, float scale, int part_cells, const int32_t *part_first, float *work,
+                        float *out, int threads) {
     const int heads = kv_heads * group;
     if (entries < 0 || kv_heads < 1 || group < 1 || heads > MAX_HEADS || head_dim < 1 || chunk_cells < 1 ||
-        part_cells < 1 || threads < 1)
+        part_cells < 1 || threads < 1 || (kv_int8 && (!k_scale || !v_scale)))
         return -1;
     const int parts = part_first[entries];
     const int64_t part_floats = (int64_t)heads * (head_dim + 2);
@@ -119,9 +134,15 @@ int strata_paged_decode_f32(const float *q, const float *k, const float *v, cons
             const int p0 = first > lo[e] ? first : lo[e];
             const int p1 = first + part_cells < lens[e] ? first + part_cells : lens[e];
             float *w = work + t * part_floats;
-            attend_range(q + (int64_t)e * heads * head_dim, k, v, tables + (int64_t)slots[e] * table_stride, p0, p1,
-                         kv_heads, group, head_dim, chunk_cells, scale, w, w + (int64_t)heads * head_dim,
-                         w + (int64_t)heads * (head_dim + 1));
+            const float *qe = q + (int64_t)e * heads * head_dim;
+            const int32_t *table = tables + (int64_t)slots[e] * table_stride;
+            float *m = w + (int64_t)heads * head_dim, *l = w + (int64_t)heads * (head_dim + 1);
+            if (kv_int8)
+                range_i8(qe, k, v, k_scale, v_scale, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale,
+                         w, m, l);
+            else
+                range_f32(qe, k, v, NULL, NULL, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale, w, m,
+                          l);
         }
 #pragma omp for schedule(static)
         for (int er = 0; er < entries * heads; er++) {  /* merge the parts of entry e, query head r */

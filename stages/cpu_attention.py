@@ -8,8 +8,9 @@ qwen3 at 12,288 cells: 68 ms per decode token, 48 of them attention; docs/BENCHM
 K and V row of the pool once, in place, through the tables.
 
 Rules:
-1. Only for a decode group (one query token per entry) on a CPU pool of float32 K/V with float32 queries; every
-   other group, dtype or device goes through the torch reference, unchanged.
+1. Only for a decode group (one query token per entry) on a CPU pool of float32 or int8 K/V (int8: the value
+   times its per-cell, per-head scale, as the reference dequantizes) with float32 queries; every other group,
+   dtype or device goes through the torch reference, unchanged.
 2. Same call and result as the reference for that group: entry e sees cells [lo_e, ctx_e), lo_e = max(0, ctx_e -
    window) under a sliding window; query head h reads kv head h // (heads / kv_heads). Values agree with the
    reference to float32 rounding (the order of the sums differs); the tests and the first-use check hold it to
@@ -23,7 +24,8 @@ Rules:
    `~/.cache/strata/kernels`): created 0700, used only when it is a real directory owned by this user and closed
    to others, the library written under a fresh name (created exclusively, 0600) and renamed into place, loaded
    only when it is a regular file owned by this user that no one else can write. Its name carries a hash of the
-   source, the compiler's version, the flags and the CPU, so a changed source or machine builds anew.
+   source, the compiler's version, the flags and the CPU, so a changed source or machine builds anew (and the
+   builds of other hashes are removed).
 5. Before first use the library's result is compared with the reference on a seeded pool (several entries,
    scattered chunks, a sliding window); a compiler that is missing or fails, a refused cache, or a wrong result
    leaves `available()` False with `unavailable_reason()` saying why (logged once), and the reference runs.
@@ -52,14 +54,15 @@ log = logging.getLogger("strata.stage")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-SYMBOL = "strata_paged_decode_f32"
+SYMBOL = "strata_paged_decode"
 MIN_PART_CELLS, MAX_PART_CELLS = 128, 1024  # rule 3
 BLOCK = 64  # BLOCK in the source
 MAX_HEADS = 128  # MAX_HEADS in the source
 COMPILE_TIMEOUT_S = 120
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_ARGTYPES = [_P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P, _P, _I]
+_ARGTYPES = [_P, _P, _P, _P, _P, _I, _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P,
+             _P, _I]
 
 
 class KernelRefused(RuntimeError):
@@ -135,6 +138,9 @@ def build() -> Path:
             raise KernelRefused(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
         os.chmod(tmp, 0o600)
         os.replace(tmp, lib)
+        for old in directory.glob("cpu_paged_decode-*.so"):  # builds of other sources or CPUs
+            if old != lib:
+                old.unlink(missing_ok=True)
     except subprocess.TimeoutExpired:
         raise KernelRefused(f"{cc} took over {COMPILE_TIMEOUT_S} s on {SOURCE.name}") from None
     finally:
@@ -170,7 +176,7 @@ def unavailable_reason() -> str | None:
 def usable(kv: KVCache, q: torch.Tensor) -> bool:
     """Rule 1 for this pool and these queries."""
     return (kv.device.type == "cpu" and q.device.type == "cpu" and q.dtype == torch.float32
-            and kv.dtype == torch.float32 and not kv.quantized and q.shape[1] <= MAX_HEADS and available())
+            and kv.dtype in (torch.float32, torch.int8) and q.shape[1] <= MAX_HEADS and available())
 
 
 def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale: float,
@@ -202,9 +208,12 @@ def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale:
     q = q.contiguous()
     out = torch.empty(n, heads, head_dim, dtype=torch.float32)
     k, v, tables = kv.k[layer], kv.v[layer], kv.tables
-    if not (k.is_contiguous() and v.is_contiguous() and tables.is_contiguous()):
+    scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else ()
+    if not all(t.is_contiguous() for t in (k, v, tables, *scales)):
         raise ValueError("the CPU decode kernel needs contiguous pool arrays and tables")
-    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], ints[0].data_ptr(),
+    k_scale, v_scale = (t.data_ptr() for t in scales) if scales else (None, None)
+    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale, v_scale, int(kv.quantized), tables.data_ptr(),
+            tables.shape[1], ints[0].data_ptr(),
             ints[1].data_ptr(), ints[2].data_ptr(), n, kv.kv_heads, heads // kv.kv_heads, head_dim, kv.chunk_cells,
             float(scale), part, part_first.data_ptr(), work.data_ptr(), out.data_ptr(), threads)
     if rc != 0:
@@ -219,20 +228,21 @@ def _self_check(fn) -> None:
 
     g = torch.Generator().manual_seed(0)
     c, chunks, kv_heads, heads, head_dim = 16, 40, 2, 6, 32
-    kv = KVCache(1, chunks, c, kv_heads, head_dim, torch.float32, "cpu", n_slots=3, table_chunks=12)
-    order = torch.randperm(chunks, generator=g).tolist()
-    for s in range(3):
-        kv.set_table(s, order[s * 12:(s + 1) * 12])
-    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
-    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
     batch = StepBatch.from_slots([[0, 190, 1, 1], [1, 5, 1, 1], [2, 77, 1, 1]])
-    q = torch.randn(3, heads, head_dim, generator=g)
-    write_kv(kv, 0, batch, torch.randn(3, kv_heads, head_dim, generator=g),
-             torch.randn(3, kv_heads, head_dim, generator=g))
-    with torch.inference_mode():
-        for window in (None, 50):
-            want = paged_attention(q, kv, 0, batch, 0.2, window, cpu_kernel=False)
-            got = _run(fn, q, kv, 0, batch.groups[0], 0.2, window, part=32)  # several parts merged
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-                raise KernelRefused(f"the compiled kernel disagrees with the torch reference by "
-                                    f"{(got - want).abs().max().item():.2e} (window {window})")
+    for kv_dtype in (torch.float32, "int8"):
+        kv = KVCache(1, chunks, c, kv_heads, head_dim, kv_dtype, "cpu", n_slots=3, table_chunks=12)
+        order = torch.randperm(chunks, generator=g).tolist()
+        for s in range(3):
+            kv.set_table(s, order[s * 12:(s + 1) * 12])
+        write_kv(kv, 0, StepBatch.from_slots([[0, 0, 190, 0], [1, 0, 5, 0], [2, 0, 77, 0]]),  # the contexts
+                 torch.randn(272, kv_heads, head_dim, generator=g), torch.randn(272, kv_heads, head_dim, generator=g))
+        q = torch.randn(3, heads, head_dim, generator=g)
+        write_kv(kv, 0, batch, torch.randn(3, kv_heads, head_dim, generator=g),
+                 torch.randn(3, kv_heads, head_dim, generator=g))
+        with torch.inference_mode():
+            for window in (None, 50):
+                want = paged_attention(q, kv, 0, batch, 0.2, window, cpu_kernel=False)
+                got = _run(fn, q, kv, 0, batch.groups[0], 0.2, window, part=32)  # several parts merged
+                if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                    raise KernelRefused(f"the compiled kernel disagrees with the torch reference by "
+                                        f"{(got - want).abs().max().item():.2e} ({kv_dtype} pool, window {window})")

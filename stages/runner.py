@@ -42,6 +42,7 @@ from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, 
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
+from . import cpu_attention
 from .batch import StepBatch
 from .checkpoint import load_checkpoint
 from .kv_cache import KVCache, kv_dtype_name
@@ -142,6 +143,8 @@ class StageRunner:
         self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
                           self.kv_dtype, "cpu", self.n_slots, self.table_chunks, storage=storage)
         self.window = self._window(layout)
+        if self.device.type == "cpu" and self.kv.dtype == torch.float32:
+            cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
         self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints,

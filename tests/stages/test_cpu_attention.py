@@ -24,19 +24,24 @@ def _pool(seed: int, kv_heads: int, head_dim: int, c: int, n_chunks: int, n_slot
     order = torch.randperm(n_chunks, generator=g).tolist()
     for s in range(n_slots):
         kv.set_table(s, order[s * table_chunks:(s + 1) * table_chunks])
-    if not kv.quantized:
-        kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
-        kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    for arr in kv.arrays():  # int8 values with scales that make them about N(0, 1), or floats
+        if arr.dtype == torch.int8:
+            arr.copy_(torch.randint(-127, 128, arr.shape, generator=g))
+        elif kv.quantized:
+            arr.copy_(torch.rand(arr.shape, generator=g) * 0.02 + 0.001)
+        else:
+            arr.copy_(torch.randn(arr.shape, generator=g))
     return kv
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 64), (4, 1, 32), (1, 8, 128), (8, 2, 16)])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("part", [None, 64])
-def test_the_kernel_gives_the_reference_attention(kv_heads, group, head_dim, window, part):
+def test_the_kernel_gives_the_reference_attention(kv_dtype, kv_heads, group, head_dim, window, part):
     c, table_chunks = 16, 20
-    kv = _pool(kv_heads * 100 + head_dim, kv_heads, head_dim, c, 4 * table_chunks + 3, 4, table_chunks)
+    kv = _pool(kv_heads * 100 + head_dim, kv_heads, head_dim, c, 4 * table_chunks + 3, 4, table_chunks, kv_dtype)
     g = torch.Generator().manual_seed(7)
     contexts = [1, 17, 200, 319]  # one cell, a chunk and one, several parts, a nearly full table
     batch = StepBatch.from_slots([[s, ctx - 1, 1, 1] for s, ctx in enumerate(contexts)])
@@ -65,8 +70,9 @@ def test_a_step_of_decodes_and_a_prompt_piece_takes_the_kernel_for_the_decodes_o
 
 def test_other_pools_and_dtypes_stay_on_the_reference():
     q = torch.randn(1, 4, 32)
-    assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="int8"), q)
+    assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="bfloat16"), q.bfloat16())
     assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2), q.bfloat16())
+    assert cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="int8"), q) == cpu_attention.available()
     assert cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2), q) == cpu_attention.available()
 
 
@@ -142,7 +148,10 @@ def test_without_a_compiler_or_when_turned_off_the_reference_runs(fresh_library,
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, monkeypatch):
     """Rule 5: the first-use check against the reference; a source whose result is off fails it."""
     bad = tmp_path / "bad.c"
-    bad.write_text(cpu_attention.SOURCE.read_text().replace("s[r][i] = dot * scale;", "s[r][i] = dot * scale * 0.5f;"))
+    source = cpu_attention.SOURCE.read_text()
+    wrong = source.replace("s[r][i] = dot * (KS(cell + i, h)) * scale;", "s[r][i] = dot * (KS(cell + i, h)) * scale * 0.5f;")
+    assert wrong != source
+    bad.write_text(wrong)
     monkeypatch.setattr(cpu_attention, "SOURCE", bad)
     fresh_library.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
     assert not cpu_attention.available()
