@@ -39,9 +39,10 @@ static inline float exp_neg(float x) {
    [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller).
    T is the pool's element type; KS(c, h) / VS(c, h) the scale of cell c, kv head h (1 for float32). */
 #define DEFINE_RANGE(NAME, T, KS, VS)                                                                          \
-static void NAME(const float *q, const T *k, const T *v, const float *k_scale, const float *v_scale,          \
-                 const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim, int chunk_cells,  \
-                 float scale, float *out, float *m, float *l) {                                                 \
+static inline __attribute__((always_inline)) void NAME(                                                        \
+        const float *q, const T *k, const T *v, const float *k_scale, const float *v_scale,                    \
+        const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim, int chunk_cells,          \
+        float scale, float *out, float *m, float *l) {                                                         \
     static __thread float s[MAX_HEADS][BLOCK];                                                                 \
     const int heads = kv_heads * group;                                                                        \
     const int64_t row_stride = (int64_t)kv_heads * head_dim;                                                   \
@@ -110,6 +111,24 @@ static void NAME(const float *q, const T *k, const T *v, const float *k_scale, c
 DEFINE_RANGE(range_f32, float, ONE, ONE)
 DEFINE_RANGE(range_i8, int8_t, K_SCALE, V_SCALE)
 
+/* One part through range_f32 or range_i8, head_dim a constant for the usual 64 and 128 (the loops over it
+   then unroll into whole vectors) and a variable otherwise. */
+#define PART_ARGS q, k, v, k_scale, v_scale, table, p0, p1, kv_heads, group
+#define PART_TAIL chunk_cells, scale, out, m, l
+static void part(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
+                 int kv_int8, const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim,
+                 int chunk_cells, float scale, float *out, float *m, float *l) {
+    if (kv_int8) {
+        if (head_dim == 64) range_i8(PART_ARGS, 64, PART_TAIL);
+        else if (head_dim == 128) range_i8(PART_ARGS, 128, PART_TAIL);
+        else range_i8(PART_ARGS, head_dim, PART_TAIL);
+    } else {
+        if (head_dim == 64) range_f32(PART_ARGS, 64, PART_TAIL);
+        else if (head_dim == 128) range_f32(PART_ARGS, 128, PART_TAIL);
+        else range_f32(PART_ARGS, head_dim, PART_TAIL);
+    }
+}
+
 /* q [entries, kv_heads * group, head_dim]; out the same shape; k_scale, v_scale NULL for a float32 pool. The cells of each entry are cut into parts of
    `part_cells` (a multiple of chunk_cells), so one long conversation still shares out over the threads; `work`
    holds each part's partial sums: parts_total * heads * (head_dim + 2) floats. */
@@ -137,12 +156,8 @@ int strata_paged_decode(const float *q, const void *k, const void *v, const floa
             const float *qe = q + (int64_t)e * heads * head_dim;
             const int32_t *table = tables + (int64_t)slots[e] * table_stride;
             float *m = w + (int64_t)heads * head_dim, *l = w + (int64_t)heads * (head_dim + 1);
-            if (kv_int8)
-                range_i8(qe, k, v, k_scale, v_scale, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale,
-                         w, m, l);
-            else
-                range_f32(qe, k, v, NULL, NULL, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale, w, m,
-                          l);
+            part(qe, k, v, k_scale, v_scale, kv_int8, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale, w,
+                 m, l);
         }
 #pragma omp for schedule(static)
         for (int er = 0; er < entries * heads; er++) {  /* merge the parts of entry e, query head r */

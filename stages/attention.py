@@ -227,7 +227,7 @@ def paged_attention(
         rows = g.rows
         qg = q[rows.start:rows.stop] if isinstance(rows, range) else q.index_select(0, rows)
         if g.kind == "decode" and kernel:
-            o = cpu_attention.paged_decode(qg, kv, layer, g, scale, sliding_window)
+            o = cpu_attention.paged_decode(qg, kv, layer, batch, index, scale, sliding_window)
         else:
             o = _sdpa(kv, layer, _read(kv, batch, index, sliding_window), g, qg, scale)
         if isinstance(rows, range) and rows.start == 0 and rows.stop == n_tokens:

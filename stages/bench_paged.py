@@ -5,7 +5,9 @@ For each context length, every slot decodes one token at position ctx - 1 (its c
 
     paged        the slot's table is a random permutation of pool chunks (no two logical neighbours adjacent
                  in memory); write_kv + paged_attention through it, with a fresh StepBatch per step (a one-layer
-                 stage builds the step's gather indices once per step, and so does this)
+                 stage builds the step's gather indices once per step, and so does this): the served path, the
+                 CPU decode kernel when it is available (stages/cpu_attention.py)
+    paged, sdpa  (attention level) the same through the torch reference: the cells gathered, then SDPA
     contiguous   K, V as one [ctx, kv_heads, head_dim] tensor per slot holding the same values in logical
                  order; the new cell is written in place and plain scaled_dot_product_attention reads it
 
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from stages import cpu_attention
 from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
 from stages.bench_pool import timeit, write_result
@@ -67,10 +70,13 @@ class Setup:
         return StepBatch.from_slots([[s, self.ctx - 1, 1, 1] for s in range(self.slots)])
 
     # -- attention only
-    def paged_attention(self) -> torch.Tensor:
+    def paged_attention(self, cpu_kernel: bool = True) -> torch.Tensor:
         batch = self.batch()
         write_kv(self.kv, 0, batch, self.k_new, self.v_new)
-        return paged_attention(self.q, self.kv, 0, batch, self.model.scale)
+        return paged_attention(self.q, self.kv, 0, batch, self.model.scale, cpu_kernel=cpu_kernel)
+
+    def paged_sdpa_attention(self) -> torch.Tensor:
+        return self.paged_attention(cpu_kernel=False)
 
     def contiguous_attention(self) -> torch.Tensor:
         return self._sdpa(self.q, self.k_new, self.v_new)
@@ -127,22 +133,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for ctx in args.contexts:
         setup = Setup(model, ctx, args.slots, args.chunk_cells, seed=ctx)
-        for level, paged, contiguous in (("attention", setup.paged_attention, setup.contiguous_attention),
-                                         ("layer", setup.paged_layer, setup.contiguous_layer)):
+        for level, paged, sdpa, contiguous in (
+                ("attention", setup.paged_attention, setup.paged_sdpa_attention, setup.contiguous_attention),
+                ("layer", setup.paged_layer, None, setup.contiguous_layer)):
             diff = check_same(f"{level} at {ctx}", paged, contiguous)
+            if sdpa is not None:
+                diff = max(diff, check_same(f"{level} (sdpa) at {ctx}", sdpa, contiguous))
             with torch.inference_mode():
                 t_paged = timeit(paged, args.repeats, warmup=2)
+                t_sdpa = timeit(sdpa, args.repeats, warmup=2) if sdpa is not None else None
                 t_flat = timeit(contiguous, args.repeats, warmup=2)
-            rows.append({"level": level, "context": ctx, "slots": args.slots,
-                         "chunks": setup.kv.table_chunks, "paged_us": t_paged * 1e6, "contiguous_us": t_flat * 1e6,
-                         "paged_over_contiguous": t_paged / t_flat, "max_abs_diff": diff})
+            rows.append({"level": level, "context": ctx, "slots": args.slots, "chunks": setup.kv.table_chunks,
+                         "paged_us": t_paged * 1e6, "paged_sdpa_us": t_sdpa * 1e6 if t_sdpa else None,
+                         "contiguous_us": t_flat * 1e6, "paged_over_contiguous": t_paged / t_flat,
+                         "max_abs_diff": diff})
             print(f"  {level} ctx {ctx}: paged {t_paged * 1e6:.0f} us, contiguous {t_flat * 1e6:.0f} us",
                   file=sys.stderr, flush=True)
     cfg = ckpt.config
     return {
         "bench": "paged",
-        "columns": ["level", "context", "slots", "chunks", "paged_us", "contiguous_us", "paged_over_contiguous",
-                    "max_abs_diff"],
+        "columns": ["level", "context", "slots", "chunks", "paged_us", "paged_sdpa_us", "contiguous_us",
+                    "paged_over_contiguous", "max_abs_diff"],
         "rows": rows,
         "plot": {"x": "context", "xlabel": "context (cells)", "logx": True, "series": ["level"],
                  "panels": [{"y": ["paged_us", "contiguous_us"], "ylabel": "decode step (us)", "logy": True},
@@ -153,7 +164,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{torch.get_num_threads()}; chunk_cells {args.chunk_cells}, tables a random permutation of chunks",
             f"one decode token per slot; best of {args.repeats} after 2 warm-up steps; paged includes building "
             "the StepBatch and its gather indices (once per step)",
-            f"outputs of the two paths checked equal (max abs diff <= {TOLERANCE}) before timing",
+            f"outputs of the paths checked equal (max abs diff <= {TOLERANCE}) before timing",
+            "paged decode attention: " + ("the CPU kernel (stages/cpu_attention.py); paged_sdpa_us: the torch "
+                                          "reference through the same tables" if cpu_attention.available() else
+                                          f"the torch reference ({cpu_attention.unavailable_reason()})"),
         ],
         "threads": torch.get_num_threads(),
     }

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from stages.batch import AttentionGroup
+from stages.batch import AttentionGroup, StepBatch
 from stages.kv_cache import KVCache
 
 log = logging.getLogger("strata.stage")
@@ -179,10 +179,14 @@ def usable(kv: KVCache, q: torch.Tensor) -> bool:
             and kv.dtype in (torch.float32, torch.int8) and q.shape[1] <= MAX_HEADS and available())
 
 
-def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale: float,
+def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, batch: StepBatch, index: int, scale: float,
                  window: int | None) -> torch.Tensor:
-    """Rule 2: `q [G, heads, head_dim]` of a decode group -> `[G, heads * head_dim]`."""
-    return _run(_library()[0], q, kv, layer, g, scale, window)
+    """Rule 2: `q [G, heads, head_dim]` of the decode group `batch.groups[index]` -> `[G, heads * head_dim]`.
+    The group's plan (its slots, contexts and parts) is made once per step and shared by every layer."""
+    key = ("cpu_decode", id(kv), index, window)
+    if key not in batch.cache:
+        batch.cache[key] = Plan(batch.groups[index], window, torch.get_num_threads())
+    return _run(_library()[0], q, kv, layer, batch.cache[key], scale)
 
 
 def part_cells(cells: int, threads: int) -> int:
@@ -191,20 +195,28 @@ def part_cells(cells: int, threads: int) -> int:
     return min(MAX_PART_CELLS, max(MIN_PART_CELLS, -(-per // BLOCK) * BLOCK))
 
 
-def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale: float, window: int | None,
-         part: int | None = None) -> torch.Tensor:
+class Plan:
+    """A decode group's arguments to the kernel: slots, contexts, first visible cells (int32 [3, G]), parts."""
+
+    def __init__(self, g: AttentionGroup, window: int | None, threads: int, part: int | None = None) -> None:
+        if g.kind != "decode":
+            raise ValueError(f"the CPU decode kernel takes a decode group, not a {g.kind} one")
+        lens = list(g.contexts)
+        los = [max(0, c - window) if window is not None else 0 for c in lens]
+        self.entries, self.threads = len(lens), threads
+        self.part = part or part_cells(sum(lens) - sum(los), threads)
+        counts = [-(-(c - lo // self.part * self.part) // self.part) for c, lo in zip(lens, los)]
+        first = [0, *accumulate(counts)]
+        self.n_parts = first[-1]
+        self.ints = torch.tensor([list(g.slots), lens, los], dtype=torch.int32)
+        self.part_first = torch.tensor(first, dtype=torch.int32)
+
+
+def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, plan: Plan, scale: float) -> torch.Tensor:
     n, heads, head_dim = q.shape
-    if g.kind != "decode" or n != len(g.entries):
-        raise ValueError(f"the CPU decode kernel takes a decode group's {len(g.entries)} rows, got {g.kind} {n}")
-    lens = list(g.contexts)
-    los = [max(0, c - window) if window is not None else 0 for c in lens]
-    threads = torch.get_num_threads()
-    part = part or part_cells(sum(lens) - sum(los), threads)
-    counts = [-(-(c - lo // part * part) // part) for c, lo in zip(lens, los)]
-    first = [0, *accumulate(counts)]
-    ints = torch.tensor([list(g.slots), lens, los], dtype=torch.int32)
-    part_first = torch.tensor(first, dtype=torch.int32)
-    work = kv.scratch("cpu_decode_work", (first[-1], heads * (head_dim + 2)), torch.float32)
+    if n != plan.entries:
+        raise ValueError(f"the decode group has {plan.entries} entries, the queries {n} rows")
+    work = kv.scratch("cpu_decode_work", (plan.n_parts, heads * (head_dim + 2)), torch.float32)
     q = q.contiguous()
     out = torch.empty(n, heads, head_dim, dtype=torch.float32)
     k, v, tables = kv.k[layer], kv.v[layer], kv.tables
@@ -212,10 +224,11 @@ def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale:
     if not all(t.is_contiguous() for t in (k, v, tables, *scales)):
         raise ValueError("the CPU decode kernel needs contiguous pool arrays and tables")
     k_scale, v_scale = (t.data_ptr() for t in scales) if scales else (None, None)
+    ints = plan.ints
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale, v_scale, int(kv.quantized), tables.data_ptr(),
-            tables.shape[1], ints[0].data_ptr(),
-            ints[1].data_ptr(), ints[2].data_ptr(), n, kv.kv_heads, heads // kv.kv_heads, head_dim, kv.chunk_cells,
-            float(scale), part, part_first.data_ptr(), work.data_ptr(), out.data_ptr(), threads)
+            tables.shape[1], ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(), n, kv.kv_heads,
+            heads // kv.kv_heads, head_dim, kv.chunk_cells, float(scale), plan.part, plan.part_first.data_ptr(),
+            work.data_ptr(), out.data_ptr(), plan.threads)
     if rc != 0:
         raise ValueError(f"the CPU decode kernel refused {n} entries x {heads} heads x {head_dim}")
     return out.view(n, heads * head_dim)
@@ -224,7 +237,6 @@ def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, g: AttentionGroup, scale:
 def _self_check(fn) -> None:
     """Rule 5: the library against the reference on a seeded pool."""
     from stages.attention import paged_attention, write_kv
-    from stages.batch import StepBatch
 
     g = torch.Generator().manual_seed(0)
     c, chunks, kv_heads, heads, head_dim = 16, 40, 2, 6, 32
@@ -242,7 +254,7 @@ def _self_check(fn) -> None:
         with torch.inference_mode():
             for window in (None, 50):
                 want = paged_attention(q, kv, 0, batch, 0.2, window, cpu_kernel=False)
-                got = _run(fn, q, kv, 0, batch.groups[0], 0.2, window, part=32)  # several parts merged
+                got = _run(fn, q, kv, 0, Plan(batch.groups[0], window, 2, part=32), 0.2)  # several parts merged
                 if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
                     raise KernelRefused(f"the compiled kernel disagrees with the torch reference by "
                                         f"{(got - want).abs().max().item():.2e} ({kv_dtype} pool, window {window})")

@@ -50,7 +50,8 @@ def test_the_kernel_gives_the_reference_attention(kv_dtype, kv_heads, group, hea
     write_kv(kv, 0, batch, torch.randn(len(contexts), kv_heads, head_dim, generator=g),
              torch.randn(len(contexts), kv_heads, head_dim, generator=g))
     want = paged_attention(q, kv, 0, batch, head_dim**-0.5, window, cpu_kernel=False)
-    got = cpu_attention._run(cpu_attention._library()[0], q, kv, 0, batch.groups[0], head_dim**-0.5, window, part)
+    plan = cpu_attention.Plan(batch.groups[0], window, torch.get_num_threads(), part)
+    got = cpu_attention._run(cpu_attention._library()[0], q, kv, 0, plan, head_dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     # The default path of paged_attention is the kernel.
     torch.testing.assert_close(paged_attention(q, kv, 0, batch, head_dim**-0.5, window), want, rtol=1e-5, atol=2e-6)
