@@ -159,7 +159,7 @@ def _library() -> tuple[object | None, str | None]:
         fn = getattr(ctypes.CDLL(str(build())), SYMBOL)
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
         _self_check(fn)
-    except (KernelRefused, OSError, AttributeError) as exc:
+    except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # KernelRefused is a RuntimeError
         log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", exc)
         return None, str(exc)
     return fn, None
