@@ -213,10 +213,15 @@ async def resolve_model(client: httpx.AsyncClient) -> str:
     return "default"
 
 
+CALIBRATION_WORDS = 512
+
+
 async def calibrate_words(client: httpx.AsyncClient, cfg: ServeConfig, rng: random.Random) -> tuple[float, str]:
     """Words per prompt token for this server's tokenizer (and chat template), from one untimed request's usage;
-    1.0 when the server reports no usage. The request also warms the server up."""
-    n = max(8, cfg.prompt_tokens)
+    1.0 when the server reports no usage. The request also warms the server up. It has `--prompt-tokens` words,
+    at most CALIBRATION_WORDS: a word is often more than one token, so a prompt of as many words as a long
+    prompt's tokens could exceed the server's context."""
+    n = max(8, min(cfg.prompt_tokens, CALIBRATION_WORDS))
     res = await stream_request(client, cfg, [{"role": "user", "content": random_words(rng, n)}], 1)
     if res.error:
         raise RuntimeError(f"calibration request to {cfg.url} failed: {res.error}")

@@ -142,8 +142,9 @@ def test_random_words_seeded() -> None:
 class FakeServer:
     """An OpenAI-style streaming server on 127.0.0.1: one content chunk per output token, usage at the end."""
 
-    def __init__(self, fail_every: int = 0) -> None:
+    def __init__(self, fail_every: int = 0, max_context: int = 0) -> None:
         self.requests: list[dict] = []
+        self.max_context = max_context
         self.in_flight = 0
         self.max_in_flight = 0
         self.fail_every = fail_every
@@ -171,6 +172,8 @@ class FakeServer:
             return JSONResponse({"error": {"message": "full", "code": "kv_pool_full"}}, status_code=503)
         prompt_tokens = TOKENS_PER_WORD * len(prompt.split())
         n = body["max_tokens"]
+        if self.max_context and prompt_tokens + n > self.max_context:
+            return JSONResponse({"error": {"message": "context", "code": "context_length_exceeded"}}, status_code=400)
 
         async def stream():  # noqa: ANN202
             self.in_flight += 1
@@ -249,6 +252,16 @@ def test_appended_turn_sends_held_and_cold_conversations(fake_server) -> None:  
     assert cold["messages"][1:] == held["messages"][1:] and cold["messages"][0] != held["messages"][0]
     assert len(held["messages"][0]["content"].split()) == len(cold["messages"][0]["content"].split()) == 30
     assert held["max_tokens"] == 1
+
+
+def test_a_prompt_near_the_context_calibrates_on_a_shorter_one(fake_server) -> None:  # noqa: ANN001
+    """2 tokens a word: a calibration prompt of 1,800 words would be 3,600 tokens, past the 2,000 of context."""
+    url, fake = fake_server(max_context=2000)
+    cfg = ServeConfig(url=url, model="x", prompt_tokens=1800, output_tokens=2)
+    result = asyncio.run(run_serve(cfg, [1], requests=1))
+    row = result["rows"][0]
+    assert row["errors"] == 0 and row["prompt_tokens"] == 1800
+    assert len(fake.requests[0]["messages"][0]["content"].split()) == 512
 
 
 def test_errors_are_counted_not_raised(fake_server) -> None:  # noqa: ANN001
