@@ -20,6 +20,7 @@
 
 #define BLOCK 64
 #define MAX_HEADS 128
+#define MAX_ROW 8192 /* kv_heads * head_dim of an int8 pool */
 
 /* e^x for x <= 0 (every argument here is a score minus a running max): x = n ln2 + f, |f| <= ln2 / 2,
    e^f by its Taylor series to f^6 (relative error under 2e-7), 2^n put into the exponent bits. */
@@ -37,17 +38,21 @@ static inline float exp_neg(float x) {
 
 /* Cells [p0, p1) of one entry, every kv head: out the unnormalised sum of weighted V rows per query head
    [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller).
-   T is the pool's element type; KS(c, h) / VS(c, h) the scale of cell c, kv head h (1 for float32). */
-#define DEFINE_RANGE(NAME, T, KS, VS)                                                                          \
+   T is the pool's element type; KROW(c) / VROW(c) cell c's K / V row of every kv head as floats: the pool's own
+   row for float32, the row times its scales in a buffer of this thread for int8 (each row converted once,
+   then read by every query head). */
+#define DEFINE_RANGE(NAME, T, KROW, VROW)                                                                      \
 static inline __attribute__((always_inline)) void NAME(                                                        \
         const float *q, const T *k, const T *v, const float *k_scale, const float *v_scale,                    \
         const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim, int chunk_cells,          \
         float scale, float *out, float *m, float *l) {                                                         \
     static __thread float s[MAX_HEADS][BLOCK];                                                                 \
+    static __thread float row[MAX_ROW];                                                                        \
     const int heads = kv_heads * group;                                                                        \
     const int64_t row_stride = (int64_t)kv_heads * head_dim;                                                   \
     (void)k_scale;                                                                                             \
     (void)v_scale;                                                                                             \
+    (void)row;                                                                                                 \
     for (int r = 0; r < heads; r++) {                                                                          \
         m[r] = -FLT_MAX;                                                                                       \
         l[r] = 0.0f;                                                                                           \
@@ -61,15 +66,15 @@ static inline __attribute__((always_inline)) void NAME(                         
         if (n > p1 - p) n = p1 - p;                                                                            \
         const int64_t cell = (int64_t)table[p / chunk_cells] * chunk_cells + offset;                           \
         for (int i = 0; i < n; i++) { /* one K row of every kv head: one contiguous read */                   \
-            const T *kr = k + (cell + i) * row_stride;                                                         \
+            const float *kr = KROW(cell + i);                                                                  \
             for (int r = 0; r < heads; r++) {                                                                  \
                 const int h = r / group;                                                                       \
                 const float *qr = q + (int64_t)r * head_dim;                                                   \
-                const T *kh = kr + (int64_t)h * head_dim;                                                      \
+                const float *kh = kr + (int64_t)h * head_dim;                                                  \
                 float dot = 0.0f;                                                                              \
                 _Pragma("omp simd reduction(+ : dot)")                                                         \
-                for (int d = 0; d < head_dim; d++) dot += qr[d] * (float)kh[d];                                \
-                s[r][i] = dot * (KS(cell + i, h)) * scale;                                                     \
+                for (int d = 0; d < head_dim; d++) dot += qr[d] * kh[d];                                       \
+                s[r][i] = dot * scale;                                                                         \
             }                                                                                                  \
         }                                                                                                      \
         for (int r = 0; r < heads; r++) {                                                                      \
@@ -91,25 +96,38 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                                  \
         }                                                                                                      \
         for (int i = 0; i < n; i++) {                                                                          \
-            const T *vr = v + (cell + i) * row_stride;                                                         \
+            const float *vr = VROW(cell + i);                                                                  \
             for (int r = 0; r < heads; r++) {                                                                  \
                 const int h = r / group;                                                                       \
                 float *o = out + (int64_t)r * head_dim;                                                        \
-                const T *vh = vr + (int64_t)h * head_dim;                                                      \
-                const float w = s[r][i] * (VS(cell + i, h));                                                   \
+                const float *vh = vr + (int64_t)h * head_dim, w = s[r][i];                                     \
                 _Pragma("omp simd")                                                                            \
-                for (int d = 0; d < head_dim; d++) o[d] += w * (float)vh[d];                                   \
+                for (int d = 0; d < head_dim; d++) o[d] += w * vh[d];                                          \
             }                                                                                                  \
         }                                                                                                      \
         p += n;                                                                                                \
     }                                                                                                          \
 }
 
-#define ONE(c, h) 1.0f
-#define K_SCALE(c, h) k_scale[(c) * kv_heads + (h)]
-#define V_SCALE(c, h) v_scale[(c) * kv_heads + (h)]
-DEFINE_RANGE(range_f32, float, ONE, ONE)
-DEFINE_RANGE(range_i8, int8_t, K_SCALE, V_SCALE)
+/* An int8 row [kv_heads, head_dim] times its per-head scales, into `out`. */
+static inline const float *dequant_row(const int8_t *x, const float *scales, int kv_heads, int head_dim,
+                                       float *out) {
+    for (int h = 0; h < kv_heads; h++) {
+        const float sc = scales[h];
+        const int8_t *xh = x + (int64_t)h * head_dim;
+        float *oh = out + (int64_t)h * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) oh[d] = (float)xh[d] * sc;
+    }
+    return out;
+}
+
+#define K_F32(c) (k + (c) * row_stride)
+#define V_F32(c) (v + (c) * row_stride)
+#define K_I8(c) dequant_row(k + (c) * row_stride, k_scale + (c) * kv_heads, kv_heads, head_dim, row)
+#define V_I8(c) dequant_row(v + (c) * row_stride, v_scale + (c) * kv_heads, kv_heads, head_dim, row)
+DEFINE_RANGE(range_f32, float, K_F32, V_F32)
+DEFINE_RANGE(range_i8, int8_t, K_I8, V_I8)
 
 /* One part through range_f32 or range_i8, head_dim a constant for the usual 64 and 128 (the loops over it
    then unroll into whole vectors) and a variable otherwise. */
@@ -139,7 +157,7 @@ int strata_paged_decode(const float *q, const void *k, const void *v, const floa
                         float *out, int threads) {
     const int heads = kv_heads * group;
     if (entries < 0 || kv_heads < 1 || group < 1 || heads > MAX_HEADS || head_dim < 1 || chunk_cells < 1 ||
-        part_cells < 1 || threads < 1 || (kv_int8 && (!k_scale || !v_scale)))
+        part_cells < 1 || threads < 1 || (kv_int8 && (!k_scale || !v_scale || kv_heads * head_dim > MAX_ROW)))
         return -1;
     const int parts = part_first[entries];
     const int64_t part_floats = (int64_t)heads * (head_dim + 2);

@@ -9,8 +9,9 @@ K and V row of the pool once, in place, through the tables.
 
 Rules:
 1. Only for a decode group (one query token per entry) on a CPU pool of float32 or int8 K/V (int8: the value
-   times its per-cell, per-head scale, as the reference dequantizes) with float32 queries; every other group,
-   dtype or device goes through the torch reference, unchanged.
+   times its per-cell, per-head scale, as the reference dequantizes; each row converted once per read, at most
+   MAX_ROW values) with float32 queries; every other group, dtype or device goes through the torch reference,
+   unchanged.
 2. Same call and result as the reference for that group: entry e sees cells [lo_e, ctx_e), lo_e = max(0, ctx_e -
    window) under a sliding window; query head h reads kv head h // (heads / kv_heads). Values agree with the
    reference to float32 rounding (the order of the sums differs); the tests and the first-use check hold it to
@@ -58,6 +59,7 @@ SYMBOL = "strata_paged_decode"
 MIN_PART_CELLS, MAX_PART_CELLS = 128, 1024  # rule 3
 BLOCK = 64  # BLOCK in the source
 MAX_HEADS = 128  # MAX_HEADS in the source
+MAX_ROW = 8192  # MAX_ROW in the source: kv_heads * head_dim of an int8 pool
 COMPILE_TIMEOUT_S = 120
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -176,7 +178,8 @@ def unavailable_reason() -> str | None:
 def usable(kv: KVCache, q: torch.Tensor) -> bool:
     """Rule 1 for this pool and these queries."""
     return (kv.device.type == "cpu" and q.device.type == "cpu" and q.dtype == torch.float32
-            and kv.dtype in (torch.float32, torch.int8) and q.shape[1] <= MAX_HEADS and available())
+            and kv.dtype in (torch.float32, torch.int8) and q.shape[1] <= MAX_HEADS
+            and (not kv.quantized or kv.kv_heads * kv.head_dim <= MAX_ROW) and available())
 
 
 def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, batch: StepBatch, index: int, scale: float,

@@ -150,7 +150,7 @@ def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, monk
     """Rule 5: the first-use check against the reference; a source whose result is off fails it."""
     bad = tmp_path / "bad.c"
     source = cpu_attention.SOURCE.read_text()
-    wrong = source.replace("s[r][i] = dot * (KS(cell + i, h)) * scale;", "s[r][i] = dot * (KS(cell + i, h)) * scale * 0.5f;")
+    wrong = source.replace("s[r][i] = dot * scale;", "s[r][i] = dot * scale * 0.5f;")
     assert wrong != source
     bad.write_text(wrong)
     monkeypatch.setattr(cpu_attention, "SOURCE", bad)
