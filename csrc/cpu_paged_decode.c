@@ -147,8 +147,9 @@ static void part(const float *q, const void *k, const void *v, const float *k_sc
     }
 }
 
-/* q [entries, kv_heads * group, head_dim]; out the same shape; k_scale, v_scale NULL for a float32 pool. The cells of each entry are cut into parts of
-   `part_cells` (a multiple of chunk_cells), so one long conversation still shares out over the threads; `work`
+/* q [entries, kv_heads * group, head_dim]; out the same shape; k_scale, v_scale NULL for a float32 pool.
+   Entry e's cells are cut into parts of `part_cells` from lo[e] / part_cells * part_cells on, parts
+   part_first[e] .. part_first[e + 1] - 1, so one long conversation still shares out over the threads; `work`
    holds each part's partial sums: parts_total * heads * (head_dim + 2) floats. */
 int strata_paged_decode(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
                         int kv_int8, const int32_t *tables, int64_t table_stride, const int32_t *slots,
