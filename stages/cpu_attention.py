@@ -20,13 +20,8 @@ Rules:
    merged by their maxima (flash-decoding), so one long conversation still uses every thread: a part is the
    group's cells over 4 parts per thread, within [MIN_PART_CELLS, MAX_PART_CELLS], in whole blocks of 64.
    The threads are torch's (`torch.get_num_threads()`), run by the libgomp torch has loaded.
-4. The library is compiled at first use with the C compiler (`$CC`, else `gcc`) for this CPU (`-march=native`)
-   into a private cache directory (`$STRATA_KERNEL_CACHE`, else `$XDG_CACHE_HOME/strata/kernels`, else
-   `~/.cache/strata/kernels`): created 0700, used only when it is a real directory owned by this user and closed
-   to others, the library written under a fresh name (created exclusively, 0600) and renamed into place, loaded
-   only when it is a regular file owned by this user that no one else can write. Its name carries a hash of the
-   source, the compiler's version, the flags and the CPU, so a changed source or machine builds anew (and the
-   builds of other hashes are removed).
+4. The library is compiled at first use for this CPU into the private kernel cache and loaded only when it can
+   be trusted, by the rules of stages/cpu_build.py.
 5. Before first use the library's result is compared with the reference on a seeded pool (several entries,
    scattered chunks, a sliding window); a compiler that is missing or fails, a refused cache, or a wrong result
    leaves `available()` False with `unavailable_reason()` saying why (logged once), and the reference runs.
@@ -35,127 +30,41 @@ Rules:
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import stat
-import subprocess
-import tempfile
 from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from stages import cpu_build
 from stages.batch import AttentionGroup, StepBatch
+from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
 
 log = logging.getLogger("strata.stage")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 SYMBOL = "strata_paged_decode"
 MIN_PART_CELLS, MAX_PART_CELLS = 128, 1024  # rule 3
 BLOCK = 64  # BLOCK in the source
 MAX_HEADS = 128  # MAX_HEADS in the source
 MAX_ROW = 8192  # MAX_ROW in the source: kv_heads * head_dim of an int8 pool
-COMPILE_TIMEOUT_S = 120
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ARGTYPES = [_P, _P, _P, _P, _P, _I, _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P,
              _P, _I]
 
 
-class KernelRefused(RuntimeError):
-    """The library cannot be built, trusted or checked here (rules 4-5)."""
-
-
-def cache_dir() -> Path:
-    """Rule 4's directory."""
-    if os.environ.get("STRATA_KERNEL_CACHE"):
-        return Path(os.environ["STRATA_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "strata" / "kernels"
-
-
-def _private_dir(path: Path) -> Path:
-    """`path`, created 0700 when missing; refused unless a real directory of this user closed to others."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise KernelRefused(f"kernel cache {path} is not a private directory of this user (mode "
-                            f"{stat.filemode(st.st_mode)}, owner {st.st_uid}); set STRATA_KERNEL_CACHE")
-    return path
-
-
-def _trusted_file(path: Path) -> bool:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise KernelRefused(f"kernel library {path} is not a regular file of this user closed to others")
-    return True
-
-
-def _compiler_id(cc: str) -> str:
-    try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelRefused(f"no C compiler ({cc}): {exc}") from None
-    return out.splitlines()[0] if out else cc
-
-
-def _cpu_id() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def build() -> Path:
-    """The compiled library (rule 4): the cached one, else compiled now."""
-    cc = os.environ.get("CC", "gcc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
-    directory = _private_dir(cache_dir())
-    lib = directory / f"cpu_paged_decode-{key}.so"
-    if _trusted_file(lib):
-        return lib
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)  # O_EXCL, 0600
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            raise KernelRefused(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, lib)
-        for old in directory.glob("cpu_paged_decode-*.so"):  # builds of other sources or CPUs
-            if old != lib:
-                old.unlink(missing_ok=True)
-    except subprocess.TimeoutExpired:
-        raise KernelRefused(f"{cc} took over {COMPILE_TIMEOUT_S} s on {SOURCE.name}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _trusted_file(lib)
-    return lib
+    """The compiled library (rule 4, stages/cpu_build.py): the cached one, else compiled now."""
+    return cpu_build.build(SOURCE, "cpu_paged_decode")
 
 
 @lru_cache(maxsize=1)
 def _library() -> tuple[object | None, str | None]:
     """(the kernel function, None), or (None, why not): built, loaded and checked once per process."""
-    if os.environ.get("STRATA_CPU_KERNELS", "1") == "0":
+    if cpu_build.disabled():
         return None, "STRATA_CPU_KERNELS=0"
     try:
         fn = getattr(ctypes.CDLL(str(build())), SYMBOL)

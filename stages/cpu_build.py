@@ -1,0 +1,117 @@
+"""Compiling, caching and trusting the C libraries of a CPU stage (stages/cpu_attention.py, stages/cpu_ops.py).
+
+Rules:
+1. A library is compiled at first use with the C compiler (`$CC`, else `gcc`) for this CPU (`-march=native`)
+   into a private cache directory (`$STRATA_KERNEL_CACHE`, else `$XDG_CACHE_HOME/strata/kernels`, else
+   `~/.cache/strata/kernels`): created 0700, used only when it is a real directory owned by this user and closed
+   to others.
+2. The library is written under a fresh name (created exclusively, 0600) and renamed into place, and loaded only
+   when it is a regular file owned by this user that no one else can write.
+3. Its name is `<stem>-<hash>.so`, the hash over the source, the compiler's version, the flags and the CPU, so a
+   changed source or machine builds anew; the builds of the same stem with other hashes are removed.
+4. Anything that stops a build (no compiler, a failed compile, a refused directory or file) is `KernelRefused`
+   with the reason; the caller falls back to its torch reference. `STRATA_CPU_KERNELS=0` turns every library
+   off (`disabled()`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+COMPILE_TIMEOUT_S = 120
+
+
+class KernelRefused(RuntimeError):
+    """A library cannot be built, trusted or checked here."""
+
+
+def disabled() -> bool:
+    """Rule 4's switch."""
+    return os.environ.get("STRATA_CPU_KERNELS", "1") == "0"
+
+
+def cache_dir() -> Path:
+    """Rule 1's directory."""
+    if os.environ.get("STRATA_KERNEL_CACHE"):
+        return Path(os.environ["STRATA_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "strata" / "kernels"
+
+
+def _private_dir(path: Path) -> Path:
+    """`path`, created 0700 when missing; refused unless a real directory of this user closed to others."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise KernelRefused(f"kernel cache {path} is not a private directory of this user (mode "
+                            f"{stat.filemode(st.st_mode)}, owner {st.st_uid}); set STRATA_KERNEL_CACHE")
+    return path
+
+
+def _trusted_file(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise KernelRefused(f"kernel library {path} is not a regular file of this user closed to others")
+    return True
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelRefused(f"no C compiler ({cc}): {exc}") from None
+    return out.splitlines()[0] if out else cc
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(source: Path, stem: str) -> Path:
+    """The compiled library of `source` (rules 1-3): the cached one, else compiled now."""
+    cc = os.environ.get("CC", "gcc")
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    directory = _private_dir(cache_dir())
+    lib = directory / f"{stem}-{key}.so"
+    if _trusted_file(lib):
+        return lib
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)  # O_EXCL, 0600
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise KernelRefused(f"{cc} failed on {source.name}: {done.stderr.strip()[-400:]}")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, lib)
+        for old in directory.glob(f"{stem}-*.so"):  # builds of other sources or CPUs
+            if old != lib:
+                old.unlink(missing_ok=True)
+    except subprocess.TimeoutExpired:
+        raise KernelRefused(f"{cc} took over {COMPILE_TIMEOUT_S} s on {source.name}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _trusted_file(lib)
+    return lib
