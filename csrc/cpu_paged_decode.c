@@ -22,11 +22,12 @@
 #define MAX_HEADS 128
 #define MAX_ROW 8192 /* kv_heads * head_dim of an int8 pool */
 
-/* e^x for x <= 0 (every argument here is a score minus a running max): x = n ln2 + f, |f| <= ln2 / 2,
+/* e^x for x <= 0 (every argument here is a score minus a running max): x = n ln2 + f with n the integer nearest
+   x / ln2 (rounded by adding and taking away 1.5 * 2^23, which vectorizes where floorf does not), |f| <= ln2 / 2,
    e^f by its Taylor series to f^6 (relative error under 2e-7), 2^n put into the exponent bits. */
 static inline float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
     const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
     const float e = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f +
                     f * 1.3888889e-3f)))));
