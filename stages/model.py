@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from stages import cpu_ops
 from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
@@ -235,6 +236,7 @@ class StageModel:
             w = ckpt.tensors(names, self.device, self.dtype, label=label)
             self.layers = [self._layer_weights(w, g) for g in range(first, last)]
         self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
+        self.cpu_ops = self.device.type == "cpu" and self.dtype == torch.float32  # stages/cpu_ops.py, its rule 1
         self._rope_sin: torch.Tensor | None = None
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
@@ -429,30 +431,47 @@ class StageModel:
     ) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
         eps, heads, kv_heads, head_dim = s.rms_norm_eps, s.num_heads, s.kv_heads, s.head_dim
-        h = rms_norm(x, w["input_layernorm.weight"], eps)
+        h = self._add_norm(x, None, w["input_layernorm.weight"])[1]
         entry = self.linear_layers[local]
         if entry is not None:
-            x = x + linear_attention(h, w, s.linear, batch, state, entry)  # type: ignore[arg-type]
+            mixed = linear_attention(h, w, s.linear, batch, state, entry)  # type: ignore[arg-type]
         else:
             qkv = linear(h, w["qkv.weight"], w.get("qkv.bias"))
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:(heads + 2 * kv_heads) * head_dim].view(n, kv_heads, head_dim)
-            if "self_attn.q_norm.weight" in w:
-                qk = qk_norm(qk, w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], heads, eps)
-            qk = apply_rope(qk, cos, sin)
+            q_norm, k_norm = w.get("self_attn.q_norm.weight"), w.get("self_attn.k_norm.weight")
+            if not (self.cpu_ops and cpu_ops.qk_norm_rope_(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos,
+                                                           sin)):
+                if q_norm is not None:
+                    qk = qk_norm(qk, q_norm, k_norm, heads, eps)
+                qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             attn = _attend(kv, self.kv_layers[local], batch, q, k, v, self.scale,  # type: ignore[arg-type]
                            self.sliding_windows[local])
             if s.gated:
                 attn = attn * torch.sigmoid(qkv[:, (heads + 2 * kv_heads) * head_dim:])
-            x = x + _linear(attn, w, "self_attn.o_proj")
-        h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
+            mixed = _linear(attn, w, "self_attn.o_proj")
+        x, h = self._add_norm(x, mixed, w["post_attention_layernorm.weight"])
         if "experts.gate_up" in w:
             return x + moe_mlp(h, w, s.moe)
         gate_up = linear(h, w["gate_up.weight"], w.get("gate_up.bias"))
-        inter = gate_up.shape[-1] // 2
-        mlp = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        mlp = cpu_ops.silu_mul(gate_up) if self.cpu_ops else None
+        if mlp is None:
+            inter = gate_up.shape[-1] // 2
+            mlp = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return x + _linear(mlp, w, "mlp.down_proj")
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, rms_norm(s)) for s = x + residual (s = x when residual is None): one call of stages/cpu_ops.py
+        where its rule 1 holds, the torch code otherwise."""
+        eps = self.spec.rms_norm_eps
+        done = cpu_ops.rms_norm(x, weight, eps, residual) if self.cpu_ops else None
+        if done is not None:
+            return done
+        if residual is not None:
+            x = x + residual
+        return x, rms_norm(x, weight, eps)
 
 
 def _attend(kv: KVCache | StepView, layer: int, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

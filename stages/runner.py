@@ -42,7 +42,7 @@ from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, 
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
-from . import cpu_attention
+from . import cpu_attention, cpu_ops
 from .batch import StepBatch
 from .checkpoint import load_checkpoint
 from .kv_cache import KVCache, kv_dtype_name
@@ -145,6 +145,7 @@ class StageRunner:
         self.window = self._window(layout)
         if self.device.type == "cpu" and self.dtype == torch.float32:  # float32 queries, a float32 or int8 pool
             cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
+            cpu_ops.available()  # the same for the layer ops (its rule 4)
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
         self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints,
