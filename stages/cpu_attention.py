@@ -108,7 +108,9 @@ def part_cells(cells: int, threads: int) -> int:
 
 
 class Plan:
-    """A decode group's arguments to the kernel: slots, contexts, first visible cells (int32 [3, G]), parts."""
+    """A decode group's arguments to the kernel: slots, contexts, first visible cells (int32 [3, G]), parts; and,
+    made at the first layer's call and reused by the others, the arguments that stay the same over a step's
+    layers (the tables, the work buffer of the parts)."""
 
     def __init__(self, g: AttentionGroup, window: int | None, threads: int, part: int | None = None) -> None:
         if g.kind != "decode":
@@ -122,28 +124,40 @@ class Plan:
         self.n_parts = first[-1]
         self.ints = torch.tensor([list(g.slots), lens, los], dtype=torch.int32)
         self.part_first = torch.tensor(first, dtype=torch.int32)
+        self._fixed: dict[tuple[int, int, int], tuple] = {}
+
+    def fixed(self, kv: KVCache, heads: int, head_dim: int) -> tuple:
+        """(work buffer, the kernel's arguments from the tables to the part sizes, parts' first indices)."""
+        key = (id(kv), heads, head_dim)
+        if key not in self._fixed:
+            if not all(t.is_contiguous() for t in (*kv.k, *kv.v, kv.tables, *(kv.k_scale or ()),
+                                                    *(kv.v_scale or ()))):
+                raise ValueError("the CPU decode kernel needs contiguous pool arrays and tables")
+            work = torch.empty(self.n_parts, heads * (head_dim + 2), dtype=torch.float32)
+            ints = self.ints
+            self._fixed[key] = (work, (kv.tables.data_ptr(), kv.tables.shape[1], ints[0].data_ptr(),
+                                       ints[1].data_ptr(), ints[2].data_ptr(), self.entries, kv.kv_heads,
+                                       heads // kv.kv_heads, head_dim, kv.chunk_cells),
+                                (self.part, self.part_first.data_ptr(), work.data_ptr()))
+        return self._fixed[key]
 
 
 def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, plan: Plan, scale: float) -> torch.Tensor:
     n, heads, head_dim = q.shape
     if n != plan.entries:
         raise ValueError(f"the decode group has {plan.entries} entries, the queries {n} rows")
-    work = kv.scratch("cpu_decode_work", (plan.n_parts, heads * (head_dim + 2)), torch.float32)
+    _, tables_on, parts = plan.fixed(kv, heads, head_dim)
     q = q.contiguous()
-    out = torch.empty(n, heads, head_dim, dtype=torch.float32)
-    k, v, tables = kv.k[layer], kv.v[layer], kv.tables
-    scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else ()
-    if not all(t.is_contiguous() for t in (k, v, tables, *scales)):
-        raise ValueError("the CPU decode kernel needs contiguous pool arrays and tables")
-    k_scale, v_scale = (t.data_ptr() for t in scales) if scales else (None, None)
-    ints = plan.ints
-    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale, v_scale, int(kv.quantized), tables.data_ptr(),
-            tables.shape[1], ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(), n, kv.kv_heads,
-            heads // kv.kv_heads, head_dim, kv.chunk_cells, float(scale), plan.part, plan.part_first.data_ptr(),
-            work.data_ptr(), out.data_ptr(), plan.threads)
+    out = torch.empty(n, heads * head_dim, dtype=torch.float32)
+    if kv.quantized:
+        k_scale, v_scale = kv.k_scale[layer].data_ptr(), kv.v_scale[layer].data_ptr()
+    else:
+        k_scale = v_scale = None
+    rc = fn(q.data_ptr(), kv.k[layer].data_ptr(), kv.v[layer].data_ptr(), k_scale, v_scale, int(kv.quantized),
+            *tables_on, float(scale), *parts, out.data_ptr(), plan.threads)
     if rc != 0:
         raise ValueError(f"the CPU decode kernel refused {n} entries x {heads} heads x {head_dim}")
-    return out.view(n, heads * head_dim)
+    return out
 
 
 def _self_check(fn) -> None:
