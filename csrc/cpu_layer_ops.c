@@ -3,29 +3,16 @@
 
    Every array is float32 with contiguous rows. A call makes one pass over its rows; they are shared by `threads`
    OpenMP threads (the libgomp torch has loaded) only when there are enough of them (PARALLEL_FLOATS values), so
-   a decode step's few rows stay on the calling thread, without a parallel region. exp is computed here (exp_f)
+   a decode step's few rows stay on the calling thread, without a parallel region. exp is exp_f of cpu_exp.h,
    so the loops vectorize without libmvec. Each function returns 0, or -1 on arguments it refuses. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_exp.h"
+
 #define PARALLEL_FLOATS 65536
 #define MAX_HEAD_DIM 1024
-
-/* e^x: x = n ln2 + f with n the integer nearest x / ln2 (rounded by adding and taking away 1.5 * 2^23, which
-   vectorizes where floorf does not), |f| <= ln2 / 2, e^f by its Taylor series to f^6 (relative error under
-   2e-7), 2^n put into the exponent bits; x clamped to [-87, 88], where float32's e^x is finite and normal. */
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    const float e = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f +
-                    f * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return e * scale;
-}
 
 /* 1 / sqrt(mean of x^2 + eps) over n values. */
 static inline float inv_rms(const float *x, int n, float eps) {

@@ -10,7 +10,7 @@
    max grows), then the block's V rows added with their weights. Nothing is gathered or copied: each K/V row
    of the pool is read once, all its kv heads together. The parts of an entry are merged by their maxima.
 
-   exp is computed here (exp_neg, below) rather than by libm, so the softmax loops vectorize without libmvec.
+   exp is exp_f of cpu_exp.h, so the softmax loops vectorize without libmvec.
    Built with -O3 -march=native -fopenmp for the CPU it runs on; the parts are shared by `threads` OpenMP
    threads (the same libgomp torch has loaded). Returns 0, or -1 on arguments it refuses. */
 #include <float.h>
@@ -18,24 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_exp.h"
+
 #define BLOCK 64
 #define MAX_HEADS 128
 #define MAX_ROW 8192 /* kv_heads * head_dim of an int8 pool */
-
-/* e^x for x <= 0 (every argument here is a score minus a running max): x = n ln2 + f with n the integer nearest
-   x / ln2 (rounded by adding and taking away 1.5 * 2^23, which vectorizes where floorf does not), |f| <= ln2 / 2,
-   e^f by its Taylor series to f^6 (relative error under 2e-7), 2^n put into the exponent bits. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    const float e = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f +
-                    f * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return e * scale;
-}
 
 /* Cells [p0, p1) of one entry, every kv head: out the unnormalised sum of weighted V rows per query head
    [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller).
@@ -81,11 +68,11 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int r = 0; r < heads; r++) {                                                                      \
             float mb = m[r];                                                                                   \
             for (int i = 0; i < n; i++) mb = s[r][i] > mb ? s[r][i] : mb;                                      \
-            const float corr = exp_neg(m[r] - mb);                                                             \
+            const float corr = exp_f(m[r] - mb);                                                             \
             float sum = 0.0f;                                                                                  \
             _Pragma("omp simd reduction(+ : sum)")                                                             \
             for (int i = 0; i < n; i++) {                                                                      \
-                s[r][i] = exp_neg(s[r][i] - mb);                                                               \
+                s[r][i] = exp_f(s[r][i] - mb);                                                               \
                 sum += s[r][i];                                                                                \
             }                                                                                                  \
             l[r] = l[r] * corr + sum;                                                                          \
@@ -191,7 +178,7 @@ int strata_paged_decode(const float *q, const void *k, const void *v, const floa
             memset(o, 0, sizeof(float) * head_dim);
             for (int t = part_first[e]; t < part_first[e + 1]; t++) {
                 const float *w = work + t * part_floats;
-                const float f = exp_neg(w[(int64_t)heads * head_dim + r] - big);
+                const float f = exp_f(w[(int64_t)heads * head_dim + r] - big);
                 total += f * w[(int64_t)heads * (head_dim + 1) + r];
                 const float *a = w + (int64_t)r * head_dim;
 #pragma omp simd

@@ -7,8 +7,9 @@ Rules:
    to others.
 2. The library is written under a fresh name (created exclusively, 0600) and renamed into place, and loaded only
    when it is a regular file owned by this user that no one else can write.
-3. Its name is `<stem>-<hash>.so`, the hash over the source, the compiler's version, the flags and the CPU, so a
-   changed source or machine builds anew; the builds of the same stem with other hashes are removed.
+3. Its name is `<stem>-<hash>.so`, the hash over the source, the headers of csrc/ it includes (`#include "..."`,
+   found in csrc/ wherever the source lies), the compiler's version, the flags and the CPU, so a changed source,
+   header or machine builds anew; the builds of the same stem with other hashes are removed.
 4. Anything that stops a build (no compiler, a failed compile, a refused directory or file) is `KernelRefused`
    with the reason; the caller falls back to its torch reference. `STRATA_CPU_KERNELS=0` turns every library
    off (`disabled()`).
@@ -18,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")  # and -I csrc/
 COMPILE_TIMEOUT_S = 120
 
 
@@ -90,7 +93,8 @@ def build(source: Path, stem: str) -> Path:
     """The compiled library of `source` (rules 1-3): the cached one, else compiled now."""
     cc = os.environ.get("CC", "gcc")
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
+    headers = [(CSRC / name.decode()).read_bytes() for name in re.findall(rb'^#include "([^"/]+)"', text, re.M)]
+    key = hashlib.sha256(b"\0".join([text, *headers, _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
     directory = _private_dir(cache_dir())
     lib = directory / f"{stem}-{key}.so"
@@ -99,7 +103,7 @@ def build(source: Path, stem: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)  # O_EXCL, 0600
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, f"-I{CSRC}", str(source), "-o", tmp], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise KernelRefused(f"{cc} failed on {source.name}: {done.stderr.strip()[-400:]}")
