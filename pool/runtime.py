@@ -15,7 +15,10 @@ Rules:
   user with mode 0600; new ones are made with O_CREAT | O_EXCL and mode 0600.
 - `hold(path)` takes an exclusive, non-blocking flock on `path` (a lock file, made 0600 if missing) and writes
   the holder's pid into it; the kernel drops the lock when the holder dies, so a crashed process never blocks
-  its successor, and a live one always refuses a second (InUse names the pid).
+  its successor, and a live one always refuses a second (InUse names the pid). A holder that lets go removes the
+  file while it still holds the lock; a lock counts only while `path` still names the file it was taken on, so a
+  process that opened the file before its removal finds that out after its flock and takes the lock anew (a
+  clean stop leaves no lock file behind, and no two processes ever hold one name).
 - The box key: 32 random bytes, hex, in `box.key_file` or `<runtime_dir>/box.key`. The first process that needs
   it and finds none makes it: written to a temp file, then linked into place (link fails if another process won
   the race, and that one's key is read instead), so every process of a box on a host agrees. Boxes on several
@@ -36,6 +39,7 @@ from pathlib import Path
 
 RUNTIME_MARK = "{runtime}"
 KEY_BYTES = 32
+HOLD_TRIES = 100  # opens of a lock file that holders keep removing, before hold gives up
 
 
 class RuntimeDirError(RuntimeError):
@@ -149,12 +153,26 @@ class Hold:
         self.path, self._fd = path, fd  # type: Path, int | None
 
     def release(self) -> None:
-        """Drop the lock. The file stays: removing it would let a process that opened it before hold a lock on
-        a name nobody else sees."""
+        """Remove the lock file, still holding it (when the name is still this file), then drop the lock."""
         if self._fd is None:
             return
+        try:
+            if names_fd(self.path, self._fd):
+                os.unlink(self.path)
+        except OSError:
+            pass
         os.close(self._fd)
         self._fd = None
+
+
+def names_fd(path: Path, fd: int) -> bool:
+    """Whether `path` (not followed) is the file open on `fd`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
 
 
 def lock_fd(fd: int, path: Path, what: str) -> None:
@@ -182,18 +200,26 @@ def holder_pid(path: Path) -> int | None:
 def hold(path: str | Path, what: str) -> Hold:
     """Take the lock file `path` (module rules); InUse when a live process holds it."""
     path = Path(path)
-    try:
-        fd = open_private(path, os.O_RDWR, create=True)
-    except FileExistsError:
-        fd = open_private(path, os.O_RDWR)
-    try:
-        lock_fd(fd, path, what)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return Hold(path, fd)
+    for _ in range(HOLD_TRIES):
+        try:
+            fd = open_private(path, os.O_RDWR, create=True)
+        except FileExistsError:
+            try:
+                fd = open_private(path, os.O_RDWR)
+            except FileNotFoundError:  # removed by a holder letting go since: make it anew
+                continue
+        try:
+            lock_fd(fd, path, what)
+            if not names_fd(path, fd):  # the holder removed it between our open and our lock
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Hold(path, fd)
+    raise InUse(f"{what}: its lock file {path} kept being replaced while this process took it", None)
 
 
 def is_held(path: str | Path) -> int | None:

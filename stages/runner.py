@@ -398,7 +398,7 @@ class StageRunner:
             if unlink:
                 self.memory.unlink()
             self.memory = None
-            self._pool_lock.release()  # a lock file is never removed: a waiter could hold its inode
+            self._pool_lock.release()
 
 
 def _open_pool(path: Path, layout: PoolLayout) -> tuple[PoolMemory, bool, Hold]:

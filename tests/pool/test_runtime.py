@@ -76,8 +76,38 @@ def test_a_lock_is_refused_while_its_holder_lives_and_free_once_it_dies(private)
         proc.kill()  # no clean exit: the kernel drops the lock
         proc.wait()
     assert is_held(path) is None
-    hold(path, "test lock").release()
-    assert path.exists()  # lock files stay (module rules)
+    held = hold(path, "test lock")
+    assert path.exists() and is_held(path) == os.getpid()
+    held.release()
+    assert not path.exists()  # a holder that lets go leaves no lock file (module rules)
+
+
+def test_a_lock_taken_on_a_file_its_holder_removed_is_taken_anew(private, monkeypatch):
+    """A process that opened the lock file just before its holder let go (removing it) gets the flock on a
+    file no name leads to; it must see that and take the lock on the name's new file, or two could hold one name."""
+    from pool import runtime
+
+    path = private / "x.lock"
+    first = hold(path, "test lock")
+    real_open = runtime.open_private
+    opened = []
+
+    def racing_open(p, flags, create=False):
+        fd = real_open(p, flags, create)
+        if not opened:  # this process has the old file open; its holder lets go before this one's flock
+            first.release()
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(runtime, "open_private", racing_open)
+    second = hold(path, "test lock")
+    assert len(opened) == 2 and runtime.names_fd(path, second._fd)
+    assert is_held(path) == os.getpid()
+    monkeypatch.setattr(runtime, "open_private", real_open)
+    with pytest.raises(InUse):
+        hold(path, "test lock")  # the name's lock is held: refused, as for any second holder
+    second.release()
+    assert not path.exists()
 
 
 KEYER = "import sys; from pool.runtime import box_key; print(box_key(None).decode())"
