@@ -30,7 +30,7 @@ from starlette.requests import Request
 
 from .answers import AnswerShaper, CallArgs, CallStart, Event, Reasoning, Shaped, Text, shape
 from .api_errors import ApiError, anthropic_sse_error
-from .api_generation import ClientGone, Front, Generation, new_id, sse_response
+from .api_generation import ClientGone, Front, Generation, new_id, sse_json, sse_response
 from .engine import EngineError
 from .reasoning import template_thinks
 from .schemas import CountTokensRequest, MessagesRequest, json_body
@@ -40,7 +40,7 @@ log = logging.getLogger("strata.api")
 
 
 def sse_event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {sse_json({'type': kind, **data})}\n\n"
 
 
 def stop_reason(run: Generation, calls: int = 0) -> str:

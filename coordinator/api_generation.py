@@ -88,6 +88,17 @@ COUNT_CONTEXTS = 4  # count_tokens counts prompts up to this many contexts long 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Code points that end a line for str.splitlines() and that JSON leaves raw: a client that splits a stream with it
+# (httpx's aiter_lines does) would cut an event in two. Escaped, the JSON means the same to every parser.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_json(obj: Any) -> str:
+    """`obj` as the JSON of one SSE data line: compact, UTF-8 as is, and no character any line splitter breaks at
+    (the SSE rule is CR and LF only; U+2028, U+2029 and U+0085 are escaped as well)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def sse_response(body: AsyncIterator[str], run: Generation) -> StreamingResponse:
     """An SSE response; closing `run` afterwards covers a client gone before the body was first read."""
     return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,

@@ -12,7 +12,6 @@ An error after the stream has begun is one `data: {"error": {...}}` line, then `
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import AsyncIterator, Callable
@@ -23,7 +22,7 @@ from starlette.requests import Request
 
 from .api_errors import openai_sse_error
 from .answers import AnswerPlan, AnswerShaper, CallArgs, CallStart, Event, Reasoning, Text, shape
-from .api_generation import ClientGone, Front, Generation, TokenLogprob, new_id, sse_response
+from .api_generation import ClientGone, Front, Generation, TokenLogprob, new_id, sse_json, sse_response
 from .engine import EngineError
 from .schemas import ChatRequest, CompletionRequest, json_body
 from .schemas_tools import ToolChoice
@@ -32,7 +31,7 @@ log = logging.getLogger("strata.api")
 
 
 def sse_data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(obj)}\n\n"
 
 
 def usage_body(run: Generation) -> dict:

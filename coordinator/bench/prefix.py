@@ -35,7 +35,7 @@ import yaml
 
 from .peers import ORDINARY_TOKENS
 from .report import median, ratio
-from .serve import resolve_model
+from .serve import resolve_model, sse_lines
 from .strata_server import StrataServer, free_port
 
 POLL_S = 0.02
@@ -79,7 +79,7 @@ async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max
             except (ValueError, KeyError, TypeError):
                 out["code"] = resp.text[:80]
             return out
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             event = json.loads(line[5:])

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 
@@ -106,6 +107,22 @@ class RequestResult:
         return self.usage_output if self.usage_output is not None else len(self.chunk_times)
 
 
+SSE_LINE_END = re.compile(r"\r\n|\r|\n")  # the SSE rules' line ends
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a streamed response cut as the SSE rules cut them, at CR, LF or CRLF only (httpx's aiter_lines
+    also cuts at U+2028, U+0085 and other Unicode line breaks, which a server may send raw inside its JSON). A CRLF
+    split over two reads gives one more empty line, which ends no event here."""
+    rest = ""
+    async for text in resp.aiter_text():
+        *lines, rest = SSE_LINE_END.split(rest + text)
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 def parse_sse(line: str) -> dict[str, Any] | str | None:
     """One line of an SSE stream: the decoded JSON of a `data:` line, the string "[DONE]", or None for any other
     line (comments, blank separators, event names)."""
@@ -168,7 +185,7 @@ async def stream_request(client: httpx.AsyncClient, cfg: ServeConfig, messages: 
                 await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 event = parse_sse(line)
                 if event is None:
                     continue

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from .report import percentile
-from .serve import make_client, random_words
+from .serve import make_client, random_words, sse_lines
 
 DOCUMENTED = frozenset({"503 kv_pool_full", "503 queue_full"})
 EXPECTED = frozenset({"ok", "disconnected"}) | DOCUMENTED
@@ -152,7 +152,7 @@ async def one_request(client: httpx.AsyncClient, cfg: SoakConfig, rng: random.Ra
                 complete = isinstance(answer, dict) and bool(answer.get("choices") or answer.get("content"))
                 return outcome("ok" if complete else "bad response"), None
             events = 0
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 events += 1

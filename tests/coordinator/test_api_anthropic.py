@@ -305,3 +305,12 @@ def test_a_final_assistant_message_is_continued(env, client):
     assert env.engine.requests[-1].prompt == env.tokenizer.chat_ids(MSGS)
     r = post(env, {"model": "m", "max_tokens": 10, "messages": MSGS + [{"role": "assistant", "content": "So "}]})
     assert r.status_code == 400 and "whitespace" in r.json()["error"]["message"]
+
+
+def test_a_stream_event_never_holds_a_character_a_line_splitter_breaks_at():
+    from coordinator.api_anthropic import sse_event
+
+    text = "a\u2028b\u2029c\x85d"
+    lines = [x for x in sse_event("content_block_delta", {"delta": {"text": text}}).splitlines() if x]
+    assert lines[0] == "event: content_block_delta" and len(lines) == 2
+    assert json.loads(lines[1].removeprefix("data: "))["delta"]["text"] == text

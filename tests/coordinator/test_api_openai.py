@@ -516,3 +516,15 @@ def test_after_a_stop_string_usage_and_logprobs_cover_only_the_tokens_returned(e
     legacy = client.completions.create(model="tiny-test", prompt="Hi", stop=stop, logprobs=1)
     assert legacy.choices[0].text == text
     assert legacy.choices[0].logprobs.tokens == want and legacy.usage.completion_tokens == len(want)
+
+
+def test_a_stream_event_never_holds_a_character_a_line_splitter_breaks_at():
+    """Text with U+2028, U+2029 and U+0085 (JSON leaves them raw) goes out escaped, so a client that cuts the
+    stream with str.splitlines (httpx's aiter_lines) still reads one event per data line, with the same text."""
+    from coordinator.api_openai import sse_data
+
+    text = "a\u2028b\u2029c\x85d\x0be\x1cf\u00e9\U0001f600"
+    event = sse_data({"choices": [{"text": text}]})
+    (line,) = [x for x in event.splitlines() if x]
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+    assert "\u00e9\U0001f600" in line  # other text stays UTF-8 as is

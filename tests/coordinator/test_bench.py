@@ -408,3 +408,25 @@ def test_busy_fractions_from_the_stages_counters():
     after = [{"stage": 0, "busy_s": 4.0}, {"stage": 1, "busy_s": 3.5}]
     assert busy_fractions(before, after, 4.0) == {"stage_busy": "0.75 0.38", "bubble": 0.438}
     assert busy_fractions(None, after, 4.0) == {"stage_busy": None, "bubble": None}  # not a Strata server
+
+
+def test_sse_lines_cut_at_cr_and_lf_only_across_reads() -> None:
+    """A data line with U+2028 and U+0085 raw in its JSON (another server's stream) stays one line; CRLF, CR and LF
+    end lines wherever the reads split them."""
+    import httpx
+
+    from coordinator.bench.serve import sse_lines
+
+    first = 'data: {"text":"a\u2028b\x85c"}'
+    chunks = [first[:12].encode(), first[12:].encode() + b"\r", b"\n\r\ndata: [DONE]\r", b"data: tail"]
+
+    async def body():
+        for c in chunks:
+            yield c
+
+    async def read() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=body()))]
+
+    lines = [x for x in asyncio.run(read()) if x]
+    assert lines == [first, "data: [DONE]", "data: tail"]
+    assert json.loads(lines[0][5:])["text"] == "a\u2028b\x85c"
