@@ -4,7 +4,6 @@ tool-call format exactly."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import numpy as np

@@ -19,7 +19,7 @@ from coordinator import config_check
 from pool.config import config_from_dict
 from stages.checkpoint import CheckpointError, load_checkpoint
 from stages.tiny import make_tiny_model
-from tests.stages.test_gguf import PROMPT, hf_logits, stage_logits
+from tests.stages.test_gguf import hf_logits, stage_logits
 
 BLOCK = [32, 64]  # rows x cols of a scale block: several blocks per weight, partial ones at the edges (rows 48)
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
