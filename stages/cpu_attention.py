@@ -30,7 +30,6 @@ Rules:
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
@@ -41,8 +40,6 @@ from stages import cpu_build
 from stages.batch import AttentionGroup, StepBatch
 from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
-
-log = logging.getLogger("strata.stage")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.c"
 SYMBOL = "strata_paged_decode"
@@ -64,16 +61,9 @@ def build() -> Path:
 @lru_cache(maxsize=1)
 def _library() -> tuple[object | None, str | None]:
     """(the kernel function, None), or (None, why not): built, loaded and checked once per process."""
-    if cpu_build.disabled():
-        return None, "STRATA_CPU_KERNELS=0"
-    try:
-        fn = getattr(ctypes.CDLL(str(build())), SYMBOL)
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        _self_check(fn)
-    except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # KernelRefused is a RuntimeError
-        log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", exc)
-        return None, str(exc)
-    return fn, None
+    fns, why = cpu_build.load(build, {SYMBOL: _ARGTYPES}, lambda f: _self_check(f[SYMBOL]),
+                              "CPU decode attention kernel")
+    return (fns[SYMBOL] if fns else None), why
 
 
 def available() -> bool:

@@ -13,10 +13,14 @@ Rules:
 4. Anything that stops a build (no compiler, a failed compile, a refused directory or file) is `KernelRefused`
    with the reason; the caller falls back to its torch reference. `STRATA_CPU_KERNELS=0` turns every library
    off (`disabled()`).
+5. `load` opens a built library, types its functions and runs the caller's first-use check; any failure there
+   too is the reason the torch code runs, logged once.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -24,6 +28,9 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("strata.stage")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")  # and -I csrc/
@@ -119,3 +126,23 @@ def build(source: Path, stem: str) -> Path:
             os.unlink(tmp)
     _trusted_file(lib)
     return lib
+
+
+def load(build_library: Callable[[], Path], signatures: dict[str, list], check: Callable[[dict], None],
+         what: str) -> tuple[dict | None, str | None]:
+    """Rule 5: ({name: function}, None), each function of `signatures` given its argument types and an int
+    result and the set passed through `check` (which raises on a wrong result); or (None, why not)."""
+    if disabled():
+        return None, "STRATA_CPU_KERNELS=0"
+    try:
+        lib = ctypes.CDLL(str(build_library()))
+        fns = {}
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            fns[name] = fn
+        check(fns)
+    except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # KernelRefused is a RuntimeError
+        log.warning("%s unavailable, using the torch code: %s", what, exc)
+        return None, str(exc)
+    return fns, None

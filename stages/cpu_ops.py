@@ -22,7 +22,6 @@ Rules:
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,8 +30,6 @@ import torch.nn.functional as F
 
 from stages import cpu_build
 from stages.cpu_build import KernelRefused
-
-log = logging.getLogger("strata.stage")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_layer_ops.c"
 MAX_HEAD_DIM = 1024  # MAX_HEAD_DIM in the source
@@ -53,20 +50,7 @@ def build() -> Path:
 @lru_cache(maxsize=1)
 def _library() -> tuple[dict[str, object] | None, str | None]:
     """({name: function}, None), or (None, why not): built, loaded and checked once per process."""
-    if cpu_build.disabled():
-        return None, "STRATA_CPU_KERNELS=0"
-    try:
-        lib = ctypes.CDLL(str(build()))
-        fns = {}
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            fns[name] = fn
-        _self_check(fns)
-    except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # KernelRefused is a RuntimeError
-        log.warning("CPU layer ops unavailable, using torch: %s", exc)
-        return None, str(exc)
-    return fns, None
+    return cpu_build.load(build, _SIGNATURES, _self_check, "CPU layer ops")
 
 
 def available() -> bool:
