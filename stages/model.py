@@ -236,8 +236,8 @@ class StageModel:
             w = ckpt.tensors(names, self.device, self.dtype, label=label)
             self.layers = [self._layer_weights(w, g) for g in range(first, last)]
         self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
-        self.cpu_ops = self.device.type == "cpu" and self.dtype == torch.float32  # stages/cpu_ops.py, its rule 1
         self._rope_sin: torch.Tensor | None = None
+        self.cpu_ops = self.device.type == "cpu" and self.dtype == torch.float32  # stages/cpu_ops.py, its rule 1
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
         if self.spec.gated and self.norm is not None:

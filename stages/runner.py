@@ -143,7 +143,7 @@ class StageRunner:
         self.kv = KVCache(layout.n_layers, e.n_chunks, e.chunk_cells, self.model.kv_heads, self.model.head_dim,
                           self.kv_dtype, "cpu", self.n_slots, self.table_chunks, storage=storage)
         self.window = self._window(layout)
-        if self.device.type == "cpu" and self.dtype == torch.float32:  # float32 queries, a float32 or int8 pool
+        if self.model.cpu_ops:  # a float32 CPU stage: float32 queries over a float32 or int8 pool
             cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
             cpu_ops.available()  # the same for the layer ops (its rule 4)
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
