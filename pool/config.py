@@ -92,6 +92,9 @@ class EngineConfig(_Strict):
     # Pool on: a new request maps full chunks of another conversation's identical prefix instead of reading
     # them again (pool/chunk_map.py rules 12-17, coordinator/prefix_sharing.py). No effect with the pool off.
     share_prefixes: bool = True
+    # One stage: the next decode step is sent while the one before computes, reading the token the stage samples
+    # (pool/step_chain.py). No effect with several stages.
+    chain_steps: bool = True
     # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
     # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
     state_entries: int = Field(0, ge=0)

@@ -21,6 +21,9 @@ Rules:
   runner writes them into the pool file's header after the ops' bytes moved, and HELLO reports them, so after
   a crash the coordinator keeps exactly the conversations whose chunks this file still holds for them. They
   belong to one coordinator session: `reset(session)` zeroes them when the file names another session.
+- Chained rows (pool/step_chain.py): a step whose header has `chain` runs only on a stage that embeds and
+  samples; each chained row reads the token this stage sampled for its slot in the step it names, else the
+  step is refused before anything runs.
 - Session files (stages/snapshot.py): `save_session` writes cells [0, cells) of a table to this stage's part,
   `restore_session` checks a part (`check`) or reads it into a table's cells; with linear-attention layers the
   request names the table's state entry (`state`), saved and read with the cells. Names are joined to this
@@ -39,6 +42,7 @@ from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
 from pool.runtime import Hold, hold, private_dir
 from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, snapshot_fingerprint
+from pool.step_chain import Samples
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
@@ -152,6 +156,7 @@ class StageRunner:
                                                path.with_name(path.name + ".state"))
         self.mirror = TableMirror(e.n_chunks, self.table_chunks, self.n_slots)
         self.sampler = None
+        self.samples = Samples()  # each slot's last sampled token, for chained steps (pool/step_chain.py)
         if self.model.is_last:
             from .sampling import Sampler
 
@@ -242,6 +247,7 @@ class StageRunner:
         (a restarted stage rejoining the coordinator that sent them keeps them for it to compare)."""
         self.mirror = TableMirror(self.cfg.engine.n_chunks, self.table_chunks, self.n_slots)
         self.kv.clear_tables()
+        self.samples.clear()
         if self.state is not None and (session is None or self.state.session != session):
             self.state.forget()  # a state file of the same session keeps its entries (stages/state_pool.py rule 5)
             if session is not None:
@@ -340,6 +346,9 @@ class StageRunner:
             if start + n > self.max_context:
                 raise ValueError(f"step {sid}: slot {slot} reaches cell {start + n}, max_context is {self.max_context}")
             self.mirror.check_write(slot, start, n, self.cfg.engine.chunk_cells, step=sid)  # SharedWrite
+        if header.get("chain") and not (self.model.is_first and self.model.is_last):
+            raise ValueError(f"step {sid}: chained rows need a stage that embeds and samples (pool/step_chain.py "
+                             f"rule 1), this one holds layers {self.first}-{self.last}")
 
     def step(self, header: dict, tokens: torch.Tensor | None, hidden: torch.Tensor | None) -> Any:
         """Run one step: hidden `[T, hidden]` on a non-last stage, RESULT token rows on the last.
@@ -358,6 +367,8 @@ class StageRunner:
         x = tokens if self.model.is_first else hidden
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
+        if header.get("chain"):  # tokens this stage sampled in the steps before (pool/step_chain.py)
+            self.samples.fill(sid, slots, header["chain"], x)
         keep = header.get("keep") or []
         if any(not 0 <= int(row) < len(slots) for row, _ in keep):
             raise ValueError(f"step {sid}: keep {keep} names a row outside its {len(slots)} slots")
@@ -382,8 +393,10 @@ class StageRunner:
                 raise ValueError(f"step {sid}: grammar masks for slots {sorted(header['masks'])}, which sample nothing")
             return []
         sampled = self.sampler.sample(out, rows, header.get("masks"))
-        return [[slot, int(tok), float(lp), [[int(i), float(p)] for i, p in (top or [])]]
-                for slot, (tok, lp, top) in zip(rows, sampled)]
+        result = [[slot, int(tok), float(lp), [[int(i), float(p)] for i, p in (top or [])]]
+                  for slot, (tok, lp, top) in zip(rows, sampled)]
+        self.samples.record(sid, result)
+        return result
 
     def close(self, unlink: bool = True) -> None:
         """Drop the arrays and the mapping; `unlink` also removes the pool file (a clean shutdown)."""

@@ -12,6 +12,7 @@ import torch
 from pool.chunk_map import OpGap
 from pool.config import ConfigError
 from pool.memory import PoolMemory
+from pool.step_chain import CHAINED
 from pool.wire import PROTOCOL
 from stages.checkpoint import load_checkpoint
 from stages.runner import StageRunner, StaleStep
@@ -195,3 +196,28 @@ def test_a_prompt_read_in_pieces_samples_only_at_its_end(local):
     assert pieces.step([[0, 0, 9, 0]], PROMPT_A[:9], {0: dict(GREEDY)}) == []
     first = pieces.step([[0, 9, 8, 1]], PROMPT_A[9:])[0][1]
     assert [first, *pieces.decode(0, len(PROMPT_A), first, 3)] == want
+
+
+def test_a_chained_step_reads_the_token_the_stage_sampled(local):
+    """pool/step_chain.py rules 3-4 on a real stage: rows whose ids are CHAINED read the token the named step
+    sampled for their slot, and the tokens equal plain decode steps; a step naming any other step, or sent to a
+    stage that does not both embed and sample, is refused before anything runs."""
+    want = local([[0, 4]]).generate(0, PROMPT_A, 4)
+    m = local([[0, 4]])
+    first = m.step([[0, 0, len(PROMPT_A), 1]], PROMPT_A, {0: dict(GREEDY)})[0][1]
+    got, pos = [first], len(PROMPT_A)
+    for _ in range(4):
+        prev = m.step_id
+        got.append(m.step([[0, pos, 1, 1]], [CHAINED], chain=[[0, prev]])[0][1])
+        pos += 1
+    assert got == want
+    r = m.runners[0]
+    stale = {"step": m.step_id + 1, "version": r.version, "slots": [[0, pos, 1, 1]], "chain": [[0, m.step_id - 1]]}
+    with pytest.raises(ValueError, match="sampled nothing for it"):
+        r.step(stale, torch.tensor([CHAINED], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="one token and sample"):
+        r.step({**stale, "slots": [[0, pos, 1, 0]], "chain": [[0, m.step_id]]}, torch.tensor([CHAINED]), None)
+    split = local([[0, 2], [2, 4]])
+    for runner in split.runners:
+        with pytest.raises(ValueError, match="embeds and samples"):
+            runner.check_step({"step": 1, "version": 0, "slots": [[0, 0, 1, 1]], "chain": [[0, 0]]})
