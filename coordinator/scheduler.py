@@ -10,6 +10,9 @@ Each loop turn:
      piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
+With one stage and `engine.chain_steps`, up to two steps are in flight: a decoding slot whose step in flight
+samples its next token joins the next step at once, reading that token on the stage (pool/step_chain.py).
+
 With S stages, a step carries at most ceil(active / S) decoding slots, so up to S groups are in flight and
 every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`), so a
 step full of decoders still carries a piece and the steps in flight cost about the same: a step of decoders
@@ -43,7 +46,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
+from pool import step_chain
 from pool.logs import event
+from pool.step_chain import CHAINED, chainable
 
 from . import linear_state, views
 from .cache import ConversationCache
@@ -76,6 +81,7 @@ class Job:
     done: bool = False
     matcher: Matcher | None = None  # the request's grammar position, when it has a grammar
     restore: int | None = None  # a state checkpoint its first step copies into the slot's entry (pinned till then)
+    sample_step: int = 0  # the last step that samples it (a chained step names it: pool/step_chain.py)
 
     @property
     def prefilling(self) -> bool:
@@ -100,6 +106,7 @@ class Scheduler:
         self.map = self.cache.map
         self.held = self.cache.held
         self.sharing = e.pool_on and e.share_prefixes  # coordinator/prefix_sharing.py
+        self.chaining = int(step_chain.enabled(cfg))  # one more step in flight, chained (pool/step_chain.py)
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
@@ -306,7 +313,8 @@ class Scheduler:
 
     # ---- steps -----------------------------------------------------------------------------------
     def _build_step(self) -> tuple[dict, list[int], list[Job]] | None:
-        ready = [j for j in self.jobs if j is not None and not j.done and j.sent < len(j.tokens)]
+        ready = [j for j in self.jobs
+                 if j is not None and not j.done and (j.sent < len(j.tokens) or self._chainable(j))]
         if not ready:
             return None
         active = sum(1 for j in self.jobs if j is not None)
@@ -319,10 +327,12 @@ class Scheduler:
             checkpoints = self.cache.entries.checkpoints
         restores: list[list[int]] = []
         keeps: list[list[int]] = []
+        chain: list[list[int]] = []
         decoders = 0
         for job in ready:
             start = job.sent
             todo = len(job.tokens) - start
+            chained = todo == 0  # its input is the token its step in flight samples (pool/step_chain.py)
             if job.prefilling:  # prefill pieces join any step, within the budget; the cap counts decoders
                 if budget <= 0:
                     continue
@@ -336,9 +346,10 @@ class Scheduler:
                 decoders += 1
                 n = 1
                 if not self.cache.reserve(job.slot, start + 1):
-                    self._finish(job, "length", truncated=True)
+                    if not chained:  # a chained one ends so when the token in flight comes back
+                        self._finish(job, "length", truncated=True)
                     continue
-            sample = int(start + n == len(job.tokens))
+            sample = int(chained or start + n == len(job.tokens))
             if sample and job.matcher is not None:
                 try:
                     masks[job.slot] = job.matcher.mask()
@@ -358,13 +369,21 @@ class Scheduler:
                 kept = checkpoints.keep(job.slot, start + n)
                 if kept is not None:
                     keeps.append([len(slots), kept])
+            if chained:
+                chain.append([len(slots), job.sample_step])
             slots.append([job.slot, start, n, sample])
-            tokens.extend(job.tokens[start : start + n])
+            tokens.extend(job.tokens[start : start + n] if not chained else [CHAINED])
             members.append(job)
             job.sent = start + n
         if not members:
             return None
-        header = {"step": next(self.step_ids), "version": self.map.version, "slots": slots, "sampling": sampling}
+        sid = next(self.step_ids)
+        for job, row in zip(members, slots):
+            if row[3]:
+                job.sample_step = sid
+        header = {"step": sid, "version": self.map.version, "slots": slots, "sampling": sampling}
+        if chain:
+            header["chain"] = chain
         if masks:
             header["masks"] = masks
         if self.cache.entries is not None:
@@ -374,6 +393,10 @@ class Scheduler:
         if keeps:
             header["keep"] = keeps
         return header, tokens, members
+
+    def _chainable(self, job: Job) -> bool:
+        """pool/step_chain.py rules 1-2: `job` joins the next step before its token in flight comes back."""
+        return bool(self.chaining) and self.cache.entries is None and chainable(job)
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
         if isinstance(err, StageDown):
@@ -522,7 +545,7 @@ class Scheduler:
                 log.exception("admission of %s failed", job.req.request_id)
                 self._fail(job, EngineError.internal(f"admission failed: {err}"))
             self.waiting.popleft()
-        while self.in_flight < n_stages and all(self.link.stages_up):
+        while self.in_flight < n_stages + self.chaining and all(self.link.stages_up):
             built = self._build_step()
             self.send_ops()
             if built is None:

@@ -16,15 +16,16 @@ from coordinator.link import StageDown, StepFailed
 from coordinator.scheduler import Scheduler
 from pool.chunk_map import TableMirror
 from pool.config import config_from_dict
+from pool.step_chain import CHAINED, Samples
 from tests.accounting import assert_pool_accounted
 
 STOP = 3
 
 
 class CellLink:
-    def __init__(self, cfg, n_stages: int = 2, delay: float = 0.0) -> None:
+    def __init__(self, cfg, n_stages: int | None = None, delay: float = 0.0, serial: bool = False) -> None:
         e = cfg.engine
-        self.stages_up = [True] * n_stages
+        self.stages_up = [True] * (len(cfg.stages) if n_stages is None else n_stages)
         self.on_stage_up = None
         self.on_stage_down = None
         self.C = e.chunk_cells
@@ -33,9 +34,14 @@ class CellLink:
         self.mirror = TableMirror(e.n_chunks, e.table_chunks, e.parallel)
         self.cells = [[-1] * e.chunk_cells for _ in range(e.n_chunks + 1)]
         self.delay = delay
+        self.serial = serial  # answers `delay` apart, in order, as one stage computing step after step
+        self._free_at = 0.0
         self.steps = 0
         self.max_in_flight = 0
         self._in_flight = 0
+        self.samples = Samples()  # what a stage that embeds and samples keeps for chained rows
+        self.chained = 0  # rows that read a token sampled by the step before
+        self.refused: list[int] = []  # steps refused as a stage refuses them (StepFailed)
 
     def stage_hello(self, index: int) -> dict | None:
         return None  # no stage handshook: no vocabulary for grammars, no linear-attention state
@@ -62,22 +68,45 @@ class CellLink:
         # at send time, and the delay only stands for the time the result takes to come back.
         try:
             result = self._compute(header, tokens)
+        except StepFailed as err:
+            self.refused.append(header["step"])
+            if self.serial:  # answered in order, after the steps before it
+                return asyncio.ensure_future(self._later(err))
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(err)
+            return fut
         except AssertionError as err:
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(err)
             return fut
         return asyncio.ensure_future(self._later(result))
 
-    async def _later(self, result: dict) -> dict:
+    async def _later(self, result: dict | Exception) -> dict:
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
-        await asyncio.sleep(self.delay)
+        delay = self.delay
+        if self.serial:
+            now = asyncio.get_running_loop().time()
+            self._free_at = max(now, self._free_at) + self.delay
+            delay = self._free_at - now
+        await asyncio.sleep(delay)
         self._in_flight -= 1
+        if isinstance(result, Exception):
+            raise result
         return result
 
     def _compute(self, header: dict, tokens: list[int]) -> dict:
         assert header["version"] == self.mirror.version, "step ran against a stale table"
         self.steps += 1
+        if header.get("chain"):
+            assert len(self.stages_up) == 1, "a chained step on a box of several stages"
+            tokens = list(tokens)
+            try:
+                self.samples.fill(header["step"], header["slots"], header["chain"], tokens)
+            except ValueError as err:  # the stage refuses the step: nothing runs, the coordinator hears why
+                raise StepFailed(header["step"], 0, str(err)) from None
+            self.chained += len(header["chain"])
+        assert CHAINED not in tokens
         out, i = [], 0
         for slot, start, n, sample in header["slots"]:
             self.mirror.check_write(slot, start, n, self.C)  # what a stage checks: no write into a shared chunk
@@ -90,15 +119,18 @@ class CellLink:
             if sample:
                 ctx = [self.cells[ent[p // self.C]][p % self.C] for p in range(start + n)]
                 out.append([slot, self.next_token(ctx), -0.5, []])
+        self.samples.record(header["step"], out)
         return {"step": header["step"], "tokens": out}
 
 
-def make_cfg(pool: bool = True, **engine) -> object:
+def make_cfg(pool: bool = True, n_stages: int = 2, **engine) -> object:
     e = {"max_context": 256, "parallel": 4, "chunk_cells": 16, "prefill_chunk": 32, "max_waiting": 8}
     if pool:
         e["kv_pool_tokens"] = 1024
     e.update(engine)
     stages = [{"layers": [0, 2], "endpoint": "ipc:///tmp/x0"}, {"layers": [2, 4], "endpoint": "ipc:///tmp/x1"}]
+    if n_stages == 1:
+        stages = [{"layers": [0, 4], "endpoint": "ipc:///tmp/x0"}]
     return config_from_dict({"engine": e, "stages": stages})
 
 
@@ -421,5 +453,89 @@ async def test_a_prefill_piece_joins_a_step_full_of_decoders():
     assert mixed, link.sent[first:]
     for (out, _), prompt, n in zip(outs, [*short, long_prompt], [40, 40, 40, 12]):
         assert out == (await solo(cfg, prompt, max_tokens=n))[0]
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+# ---- chained decode steps (pool/step_chain.py), one stage ---------------------------------------------------
+async def steps_of(cfg, prompt, max_tokens=12) -> tuple[int, int]:
+    """(steps, chained rows) of a solo run on a stage that computes a step in 10 ms."""
+    sched, link = await started(cfg, delay=0.01, serial=True)
+    await run(sched, req(prompt, max_tokens))
+    await sched.stop()
+    return link.steps, link.chained
+
+
+@pytest.mark.parametrize("pool", [True, False])
+async def test_one_stage_chains_its_decode_steps_and_answers_as_solo_runs(pool):
+    """Rules 1-3: on a box of one stage the next decode step goes out while the one before computes, reading the
+    token the stage sampled; the answers are those of unchained two-stage runs, and no step is spent."""
+    cfg = make_cfg(pool, n_stages=1)
+    alone = [await solo(make_cfg(pool), p) for p in prompts()]
+    assert sched_chaining(make_cfg(pool)) == 0 and sched_chaining(cfg) == 1
+    assert sched_chaining(make_cfg(pool, n_stages=1, chain_steps=False)) == 0
+    plain, chained = await steps_of(make_cfg(pool), prompts()[0]), await steps_of(cfg, prompts()[0])
+    # 12 tokens: the prompt's last piece samples one, one plain decode step, then 10 chained; no step more
+    assert plain == (chained[0], 0) and chained[1] == 10
+    sched, link = await started(cfg, delay=0.001, serial=True)
+    together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
+    assert together == alone
+    assert link.max_in_flight == 2 and link.chained > 10
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+def sched_chaining(cfg) -> int:
+    return Scheduler(cfg, CellLink(cfg)).chaining
+
+
+@pytest.mark.parametrize("pool", [True, False])
+async def test_a_stop_token_read_by_a_chained_step_spends_one_step_and_the_turn_goes_on(pool):
+    """Rule 5: the step chained after the stop token is dropped; the kept conversation ends before the stop
+    token, and its next turn (which writes that cell first) answers as a cold run."""
+    cfg = make_cfg(pool, n_stages=1, parallel=1)
+    p = prompts()[1]
+    want, _ = await solo(make_cfg(pool), p)
+    sched, link = await started(cfg, delay=0.001, serial=True)
+    stop = GenRequest("s", list(p), 12, stop_token_ids=frozenset({want[4]}))
+    out, fin = await run(sched, stop)
+    assert out == want[:4] and fin.reason == "stop" and fin.completion_tokens == 4
+    assert link.chained == 4  # tokens 3, 4, 5 and the one past the stop token: the last is dropped
+    turn2 = p + out + [7, 8, 9]
+    out2, fin2 = await run(sched, req(turn2))
+    assert fin2.cached_tokens == len(p) + 4
+    assert out2 == (await solo(make_cfg(pool), turn2))[0]
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+class LostSampleLink(CellLink):
+    """Step `fail_step` fails on the stage without running (nothing written, nothing sampled); its answer comes
+    in order, after the step chained on it was sent."""
+
+    def __init__(self, cfg, fail_step: int) -> None:
+        super().__init__(cfg, delay=0.005, serial=True)
+        self.fail_step = fail_step
+
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        if header["step"] != self.fail_step:
+            return super().submit(header, tokens)
+        return asyncio.ensure_future(self._later(StepFailed(header["step"], 0, "boom")))
+
+
+async def test_a_step_chained_on_a_failed_one_is_refused_and_the_loop_goes_on():
+    """Rule 4: the stage refuses a step that names a sample it never made; the request fails once, with the
+    first failure, and the next request answers as a solo run."""
+    cfg = make_cfg(True, n_stages=1, parallel=1)
+    link = LostSampleLink(cfg, fail_step=2)  # the first decode step, with a chained one behind it
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    with pytest.raises(EngineError) as err:
+        await run(sched, req(prompts()[0]))
+    assert err.value.code == "step_failed" and "boom" in err.value.message
+    assert link.refused == [3]  # the step chained on step 2 named a sample the stage never made
+    out, _ = await run(sched, req(prompts()[1]))
+    assert out == (await solo(cfg, prompts()[1]))[0]
+    assert sched.in_flight == 0
     assert_pool_accounted(sched)
     await sched.stop()
