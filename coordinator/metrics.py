@@ -236,6 +236,9 @@ class _LiveCollector(Collector):
         yield refused
         yield CounterMetricFamily("strata:requests_truncated", "Requests ended early because the pool was full.",
                                   value=counters.get("truncations", 0))
+        yield CounterMetricFamily("strata:decode_rows_chained",
+                                  "Decode rows sent before the token they read came back (pool/step_chain.py).",
+                                  value=counters.get("chained", 0))
         yield from _window_series(live.get("kv_window", []))
         yield from _stage_series(live.get("stages", []))
 

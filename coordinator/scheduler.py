@@ -111,7 +111,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
         self.step_ids = itertools.count(1)
-        self.counters = {"refusals": {}, "truncations": 0, "lost": 0}
+        self.counters = {"refusals": {}, "truncations": 0, "lost": 0, "chained": 0}
         self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -384,6 +384,7 @@ class Scheduler:
         header = {"step": sid, "version": self.map.version, "slots": slots, "sampling": sampling}
         if chain:
             header["chain"] = chain
+            self.counters["chained"] += len(chain)
         if masks:
             header["masks"] = masks
         if self.cache.entries is not None:

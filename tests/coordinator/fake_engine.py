@@ -69,7 +69,7 @@ class FakeEngine:
         self.cached_at_start = True
         self.stages_up = [True, True]
         self.running = 0
-        self.counters = {"evictions": 3, "refusals": {"kv_pool_full": 2}, "truncations": 1}
+        self.counters = {"evictions": 3, "refusals": {"kv_pool_full": 2}, "truncations": 1, "chained": 5}
         self.kv_window = [dict(w) for w in KV_WINDOW]
         self.requests.clear()
         with self._cond:

@@ -28,7 +28,7 @@ EXPOSED = [
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
     "strata:kv_pool_cells", "strata:kv_pool_free_cells", "strata:kv_pool_held_cells",
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
-    *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_busy_seconds_total",
+    "strata:decode_rows_chained_total", *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_busy_seconds_total",
     "strata:stage_hidden_wait_seconds_total", "strata:stage_weight_bytes",
 ]
 
@@ -91,6 +91,7 @@ def test_values_from_requests_and_live_view(served):
     assert s[("strata:kv_pool_held_cells", (("slot", "parked:2"),))] == 96
     assert s[("strata:kv_pool_evictions_total", ())] == 3
     assert s[("strata:requests_truncated_total", ())] == 1
+    assert s[("strata:decode_rows_chained_total", ())] == 5
     # the engine's refusals plus the one the front decided (context_length_exceeded)
     assert s[("strata:requests_refused_total", (("code", "kv_pool_full"),))] == 2
     assert s[("strata:requests_refused_total", (("code", "context_length_exceeded"),))] == 1
