@@ -220,10 +220,10 @@ def free_port() -> int:
 
 
 class Server:
-    """One `strata up` box on 127.0.0.1: a supervisor, the coordinator and two CPU stages."""
+    """One `strata up` box on 127.0.0.1: a supervisor, the coordinator and `n_stages` CPU stages (two)."""
 
     def __init__(self, root: Path, model: Path, engine: dict, coordinator: dict | None = None,
-                 headers: dict | None = None, timeout: float = 60) -> None:
+                 headers: dict | None = None, timeout: float = 60, n_stages: int = 2) -> None:
         """`engine` overrides the serving defaults; `coordinator` holds the coordinator keys besides the port and
         the heartbeat (default: host 127.0.0.1); `headers` and `timeout` are those of `.http`."""
         self.root = root
@@ -232,7 +232,7 @@ class Server:
         eng = {"max_context": 512, "parallel": 4, "chunk_cells": 16, "threads": 1, "prefill_chunk": 64,
                "kv_pool_tokens": 2048, **engine}
         stages = [{"device": "cpu", "layers": layers, "endpoint": f"ipc://{root}/s{i}"}
-                  for i, layers in enumerate(split(4, 2))]
+                  for i, layers in enumerate(split(4, n_stages))]
         coord = {"port": self.port, "heartbeat_ms": 100, "stage_timeout_ms": 3000,
                  **(coordinator if coordinator is not None else {"host": "127.0.0.1"})}
         self.data = {"model": str(model), "engine": eng, "stages": stages, "coordinator": coord}
@@ -347,13 +347,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def strata_up(tiny_model_factory):
-    """strata_up(**engine) -> a started Server on the serving model; all stopped when the module ends."""
+    """strata_up(n_stages=2, **engine) -> a started Server on the serving model; all stopped when the module
+    ends."""
     made: list[Server] = []
     model = tiny_model_factory(**SERVING_MODEL)
 
-    def make(**engine: object) -> Server:
+    def make(n_stages: int = 2, **engine: object) -> Server:
         root = Path(tempfile.mkdtemp(prefix="su", dir="/tmp"))
-        server = Server(root, model, dict(engine))
+        server = Server(root, model, dict(engine), n_stages=n_stages)
         made.append(server)
         server.start()
         return server
