@@ -358,17 +358,17 @@ class StageRunner:
         """
         self.check_step(header)
         sid, slots = header.get("step"), header["slots"]
+        x = tokens if self.model.is_first else hidden
+        if x is None:
+            raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
+        if header.get("chain"):  # tokens this stage sampled in the steps before (pool/step_chain.py)
+            self.samples.fill(sid, slots, header["chain"], x)
         if self.sampler is not None:
             for slot, params in (header.get("sampling") or {}).items():
                 params = dict(params)
                 history = params.pop("history", None) or []
                 self.sampler.reset(int(slot), params, list(history))
         batch = StepBatch.from_slots(slots, self.device, state_entries=header.get("states"))
-        x = tokens if self.model.is_first else hidden
-        if x is None:
-            raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
-        if header.get("chain"):  # tokens this stage sampled in the steps before (pool/step_chain.py)
-            self.samples.fill(sid, slots, header["chain"], x)
         keep = header.get("keep") or []
         if any(not 0 <= int(row) < len(slots) for row, _ in keep):
             raise ValueError(f"step {sid}: keep {keep} names a row outside its {len(slots)} slots")

@@ -213,8 +213,9 @@ def test_a_chained_step_reads_the_token_the_stage_sampled(local):
     assert got == want
     r = m.runners[0]
     stale = {"step": m.step_id + 1, "version": r.version, "slots": [[0, pos, 1, 1]], "chain": [[0, m.step_id - 1]]}
-    with pytest.raises(ValueError, match="sampled nothing for it"):
-        r.step(stale, torch.tensor([CHAINED], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="sampled nothing for it"):  # nothing runs: not even a sampler reset
+        r.step({**stale, "sampling": {1: {"temperature": 0.7}}}, torch.tensor([CHAINED], dtype=torch.int32), None)
+    assert r.sampler.params[1] is None
     with pytest.raises(ValueError, match="one token and sample"):
         r.step({**stale, "slots": [[0, pos, 1, 0]], "chain": [[0, m.step_id]]}, torch.tensor([CHAINED]), None)
     split = local([[0, 2], [2, 4]])
