@@ -48,7 +48,6 @@ from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
 from pool import step_chain
 from pool.logs import event
-from pool.step_chain import CHAINED, chainable
 
 from . import linear_state, views
 from .cache import ConversationCache
@@ -106,7 +105,7 @@ class Scheduler:
         self.map = self.cache.map
         self.held = self.cache.held
         self.sharing = e.pool_on and e.share_prefixes  # coordinator/prefix_sharing.py
-        self.chaining = int(step_chain.enabled(cfg))  # one more step in flight, chained (pool/step_chain.py)
+        self.chaining = step_chain.enabled(cfg)  # one more step in flight, chained (pool/step_chain.py)
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
@@ -372,7 +371,7 @@ class Scheduler:
             if chained:
                 chain.append([len(slots), job.sample_step])
             slots.append([job.slot, start, n, sample])
-            tokens.extend(job.tokens[start : start + n] if not chained else [CHAINED])
+            tokens.extend(job.tokens[start : start + n] if not chained else [step_chain.CHAINED])
             members.append(job)
             job.sent = start + n
         if not members:
@@ -397,7 +396,7 @@ class Scheduler:
 
     def _chainable(self, job: Job) -> bool:
         """pool/step_chain.py rules 1-2: `job` joins the next step before its token in flight comes back."""
-        return bool(self.chaining) and self.cache.entries is None and chainable(job)
+        return self.chaining and self.cache.entries is None and step_chain.chainable(job)
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
         if isinstance(err, StageDown):

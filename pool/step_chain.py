@@ -7,9 +7,10 @@ while the step before it still computes; its row for a slot names that step inst
 puts in the token it sampled for the slot there. The next step then already waits in the stage's queue.
 
 Rules:
-1. Only on a box whose one stage is first and last, with `engine.chain_steps` (`enabled`). With several stages the token would travel
-   from the last stage to the first, and the S steps the scheduler keeps in flight already cover the hop. A
-   stage that is not both refuses a step with `chain` in its header (ValueError: nothing run).
+1. Only on a box whose one stage is first and last, with `engine.chain_steps` (`enabled`). With several
+   stages the token would travel from the last stage to the first, and the S steps the scheduler keeps in
+   flight already cover the hop. A stage that is not both refuses a step with `chain` in its header
+   (ValueError: nothing run).
 2. A job is chained (`chainable`) when its one step in flight samples its next token, it has sampled before
    (a prompt's last piece is not followed), it has no grammar (its mask depends on the token), it is not
    cancelled, and that token is not its last (`max_tokens`); and the model keeps no linear-attention state,

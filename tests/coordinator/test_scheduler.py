@@ -485,7 +485,7 @@ async def test_one_stage_chains_its_decode_steps_and_answers_as_solo_runs(pool):
     await sched.stop()
 
 
-def sched_chaining(cfg) -> int:
+def sched_chaining(cfg) -> bool:
     return Scheduler(cfg, CellLink(cfg)).chaining
 
 
