@@ -43,6 +43,26 @@ def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product():
         assert torch.equal(linear(x[:rows], p, b), full[:rows]), rows
 
 
+
+def test_the_padding_buffer_is_reused_and_its_extra_rows_are_zeros():
+    """Rule 5: the padded input is one buffer per thread and width; a call of fewer rows than the last zeroes the
+    rows the last one wrote, and the buffer serves calls inside inference mode and outside it."""
+    if packed_linear.MIN_ROWS < 4:
+        pytest.skip("padding is off (STRATA_PACKED_MIN_ROWS)")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 80, generator=g)
+    p = PackedLinear(w)
+    x = torch.randn(3, 80, generator=g)
+    with torch.inference_mode():
+        got3 = linear(x, p)
+    buf = packed_linear._pads.bufs[(80, torch.float32)][0]
+    got1 = linear(x[2:], p)  # outside inference mode, fewer rows than the last call
+    assert packed_linear._pads.bufs[(80, torch.float32)][0] is buf
+    assert torch.equal(buf[0], x[2]) and not buf[1:].any()
+    want = F.linear(x.double(), w.double())
+    torch.testing.assert_close(got3.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got1.double(), want[2:], rtol=1e-5, atol=1e-4)
+
 def test_the_padding_row_count_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "0")
     assert packed_linear._min_rows() == 0
