@@ -5,7 +5,8 @@ Each loop turn:
      prompt's cells reserved up front; refusal when the pool cannot cover it after evictions);
   2. while fewer than S steps are in flight (S = number of stages), build a step from the slots with tokens
      to send: decode slots whose last token came back read it, prefilling slots the next piece of their prompt
-     (at most `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long),
+     (at most `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long; even
+     pieces, shorter with several stages so the steps in flight cost about the same: coordinator/prefill_pieces.py),
      also while their earlier pieces are in flight: every stage runs steps in the order they were sent, so a
      piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
@@ -55,6 +56,7 @@ from .conversations import best_match, worth_taking
 from .engine import EngineError, Finished, GenRequest, TokenEvent
 from .grammar import GrammarError, Matcher
 from .link import StageDown, StageLink, StepFailed
+from .prefill_pieces import piece_tokens
 from .prefix_sharing import choose, kept_by_move, shared_run
 
 if TYPE_CHECKING:
@@ -317,7 +319,8 @@ class Scheduler:
         if not ready:
             return None
         active = sum(1 for j in self.jobs if j is not None)
-        cap = max(1, math.ceil(active / len(self.cfg.stages)))
+        n_stages = len(self.cfg.stages)
+        cap = max(1, math.ceil(active / n_stages))
         ready.sort(key=lambda j: (j.prefilling, j.slot))  # decoders first: they are cheap and latency-bound
         budget = self.cfg.engine.prefill_chunk
         slots, tokens, members, sampling, masks = [], [], [], {}, {}
@@ -335,7 +338,8 @@ class Scheduler:
             if job.prefilling:  # prefill pieces join any step, within the budget; the cap counts decoders
                 if budget <= 0:
                     continue
-                n = min(todo, budget)
+                q = piece_tokens(len(job.tokens) - job.cached, self.cfg.engine.prefill_chunk, n_stages)
+                n = min(todo, budget, q)
                 if checkpoints is not None:
                     n = min(n, (start // c + 1) * c - start)  # a piece ends at the next boundary (rule 2)
                 budget -= n

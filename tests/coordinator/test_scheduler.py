@@ -379,16 +379,42 @@ async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
     """Scheduler rule 2: the next piece of a prompt is sent while the one before is in flight (two stages, two
     pieces in flight), contiguous, and the answer is the solo answer of a one-step-at-a-time run."""
     cfg = make_cfg(True, parallel=1)
-    prompt = list(range(300, 400))  # 100 tokens: pieces of 32, 32, 32, 4
-    alone = await solo(make_cfg(True, parallel=1, prefill_chunk=128), prompt)  # one piece: nothing to overlap
+    prompt = list(range(300, 400))  # 100 tokens: four even pieces of 25 (prefill_pieces.py rule 1)
+    alone = await solo(make_cfg(True, parallel=1, prefill_chunk=128, n_stages=1), prompt)  # one piece
     link = PieceLink(cfg)
     sched = Scheduler(cfg, link)
     await sched.start()
     out, fin = await run(sched, req(prompt))
     assert (out, fin.reason) == (alone[0], "length")
     pieces = [row[0][1:3] for row in link.sent[:4]]
-    assert pieces == [[0, 32], [32, 32], [64, 32], [96, 4]]
+    assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]
     assert link.overlaps >= 2 and link.max_in_flight == 2  # pieces go out in pairs, never more than S = 2
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+@pytest.mark.parametrize("n_stages, prompt_len, pieces", [
+    (1, 33, [17, 16]),     # one stage: the even split (rule 3), not 32 + 1
+    (2, 128, [64, 64]),    # a prompt under prefill_chunk still gives each stage a piece (rule 1)
+    (2, 40, [40]),         # unless its pieces would be too short to pay for their step
+])
+async def test_pieces_beside_decoders_cost_about_the_same(n_stages, prompt_len, pieces):
+    """coordinator/prefill_pieces.py: a prompt arriving while another request decodes is read in even pieces;
+    the answers are the solo answers."""
+    cfg = make_cfg(True, n_stages=n_stages, parallel=2, prefill_chunk=32 if n_stages == 1 else 256)
+    first, second = list(range(300, 310)), list(range(500, 500 + prompt_len))
+    alone = [await solo(cfg, p, max_tokens=m) for p, m in ((first, 40), (second, 4))]
+    link = PieceLink(cfg)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    decoding = asyncio.ensure_future(run(sched, req(first, 40, rid="a")))
+    while link.steps < 3:
+        await asyncio.sleep(0.001)
+    out = await run(sched, req(second, 4, rid="b"))
+    assert out[0] == alone[1][0] and (await decoding)[0] == alone[0][0]
+    slot_a = link.sent[0][0][0]
+    read = [row[1:3] for step in link.sent for row in step if row[0] != slot_a and row[2] > 1]
+    assert read == [[sum(pieces[:i]), n] for i, n in enumerate(pieces)]
     assert_pool_accounted(sched)
     await sched.stop()
 
