@@ -61,7 +61,7 @@ from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
 from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
-from stages.packed_linear import pack_layer, pack_weight
+from stages.packed_linear import PackedLinear, pack_layer, pack_weight
 from stages.quant_linear import (Planes, QuantEmbedding, RowStack, embed, fuse_rows, kernel_dtype_ok, linear, pack,
                                  take_rows, weight_bytes)
 from stages.rope import Rope, apply_rope
@@ -263,6 +263,11 @@ class StageModel:
                 return [one(x) for x in v]
             return v
         return {k: one(v) for k, v in layer.items()}
+
+    def packed_weights(self) -> list[PackedLinear]:
+        """The stage's packed weights in the order a step multiplies them (stages/packed_linear.py rule 6)."""
+        found = [w for layer in self.layers for w in layer.values() if isinstance(w, PackedLinear)]
+        return found + ([self.lm_head] if isinstance(self.lm_head, PackedLinear) else [])
 
     def weight_bytes(self) -> int:
         """Bytes the stage's weights take as loaded (quantized ones packed; a storage shared by views, as the

@@ -20,19 +20,27 @@ Rules:
    (tests/stages/test_packed_linear.py and the transformers comparisons of the served path).
 4. `nbytes` is the plain weight's size (the blocked layout pads to its block, a few rows at most).
 5. A product of fewer than MIN_ROWS rows is computed as MIN_ROWS rows, the extra rows zeros, and cut back:
-   oneDNN multiplies 1 or 2 rows with kernels that read the weight slower than its kernel for 4 (the 104M
-   qwen3's 48 products of one decode step, weights streamed from memory, 2 threads of the CI box: 1 row
-   17.9 -> 16.0 ms padded, 2 rows 19.7 -> 15.7, where 4 rows take 15.3; docs/BENCHMARKS.md). Rows of a
-   product are independent, so the real rows' values are those of a 4-row product. The padded input is a
-   buffer kept per thread and width (`_padded`), its extra rows zeroed when a call of more rows left values in
-   them, instead of a new padded tensor per product (48 allocations in a 1-row step of the 104M qwen3; that
-   step in-process, median of 8 interleaved rounds: 19.81 -> 19.57 ms, inside the run-to-run spread).
-   `STRATA_PACKED_MIN_ROWS=0` turns it off (a CPU whose oneDNN kernels for 1 row are the fast ones).
+   oneDNN multiplies 1 row with a kernel of its own, which sums a row in another order than its kernels for
+   more rows (so a lone decode row would not get the values it gets in a step of several) and, on some CPUs,
+   reads the weight slower (the 104M qwen3's 48 products of one decode step, weights streamed from memory, 2
+   threads, AMD EPYC: 1 row 17.9 -> 16.0 ms padded to 4, where 4 rows take 15.3; docs/BENCHMARKS.md). Rows of
+   a product are independent, so the real rows' values are those of a MIN_ROWS-row product. The padded input is
+   a buffer kept per thread and width (`_padded`), its extra rows zeroed when a call of more rows left values
+   in them, instead of a new padded tensor per product.
+6. MIN_ROWS is 2 or 4, whichever multiplies one row faster on this CPU: `tune` times 1-row products over the
+   stage's own packed weights (at most TUNE_BYTES of them, so they stream from memory as in a step) padded to
+   each, in interleaved rounds, once per process, at the stage's load. On the AMD EPYC above 4 rows won; on an
+   Intel Xeon (AVX-512, AMX) 2 rows (1 row padded to 4: 21.5 ms against 17.9 padded to 2, median of 6 rounds).
+   Both keep a lone row's values those of a step of several. `STRATA_PACKED_MIN_ROWS=N` sets it instead (0
+   turns padding off).
 """
 from __future__ import annotations
 
+import logging
 import os
+import statistics
 import threading
+import time
 from functools import lru_cache
 
 import torch
@@ -47,23 +55,31 @@ PARTS = {  # the row views stages/model.py's _fuse leaves beside a fused weight
     "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 DTYPES = (torch.float32, torch.bfloat16)
+log = logging.getLogger("strata.stage")
 
 
-def _min_rows() -> int:
-    """Rule 5's row count from STRATA_PACKED_MIN_ROWS (default 4)."""
-    raw = os.environ.get("STRATA_PACKED_MIN_ROWS", "4")
+TUNE_ROWS = (2, 4)  # rule 6's candidates
+TUNE_BYTES = 512 << 20  # rule 6: weights timed at most (more than a CPU's last-level cache)
+
+
+def _min_rows() -> int | None:
+    """Rule 6's row count from STRATA_PACKED_MIN_ROWS; None when unset (`tune` decides)."""
+    raw = os.environ.get("STRATA_PACKED_MIN_ROWS")
+    if raw is None:
+        return None
     if not raw.strip().isdigit():
         raise ValueError(f"STRATA_PACKED_MIN_ROWS must be a whole number of rows (0 turns padding off), got {raw!r}")
     return int(raw)
 
 
-MIN_ROWS = _min_rows()  # rule 5
-_pads = threading.local()  # rule 5's buffers: {(width, dtype): [buffer of MIN_ROWS rows, rows last written]}
+MIN_ROWS = 4 if _min_rows() is None else _min_rows()  # rules 5-6: until `tune` runs, 4
+_tuned: dict | None = None  # rule 6: what `tune` measured, once per process
+_pads = threading.local()  # rule 5's buffers: {(width, dtype, MIN_ROWS): [buffer of MIN_ROWS rows, rows last written]}
 
 
 def _padded(x: torch.Tensor) -> torch.Tensor:
     """Rule 5: `x`'s rows followed by zero rows, MIN_ROWS in all, in this thread's buffer of its width."""
-    rows, key = x.shape[0], (x.shape[1], x.dtype)
+    rows, key = x.shape[0], (x.shape[1], x.dtype, MIN_ROWS)
     held = getattr(_pads, "bufs", None)
     if held is None:
         held = _pads.bufs = {}
@@ -127,6 +143,44 @@ class PackedLinear:
             out = torch.ops.mkldnn._linear_pointwise(_padded(x), self.packed, bias, "none", [], "")
             return out[:rows]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def tune(weights: list["PackedLinear"], rounds: int = 5) -> dict:
+    """Rule 6: set MIN_ROWS to the TUNE_ROWS count whose padded 1-row products over `weights` (in order, up to
+    TUNE_BYTES) take the least time, median of `rounds` interleaved rounds; once per process. Returns what it
+    measured ({"min_rows", "ms": {rows: median ms}, "bytes"}; "source": "environment" when the variable set it)."""
+    global MIN_ROWS, _tuned
+    if _tuned is not None:
+        return _tuned
+    chosen = _min_rows()
+    if chosen is not None:
+        MIN_ROWS = chosen
+        _tuned = {"min_rows": chosen, "source": "environment"}
+        return _tuned
+    picked, total = [], 0
+    for w in weights:
+        if total >= TUNE_BYTES:
+            break
+        picked.append(w)
+        total += w.nbytes
+    if not picked:
+        return {"min_rows": MIN_ROWS, "source": "default"}
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in picked}
+    times: dict[int, list[float]] = {rows: [] for rows in TUNE_ROWS}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for rows in TUNE_ROWS:
+                MIN_ROWS = rows
+                t0 = time.perf_counter()
+                for w in picked:
+                    w(inputs[w.shape[1]])
+                times[rows].append(time.perf_counter() - t0)
+    ms = {rows: round(statistics.median(t) * 1e3, 3) for rows, t in times.items()}
+    MIN_ROWS = min(TUNE_ROWS, key=lambda rows: (ms[rows], rows))
+    _tuned = {"min_rows": MIN_ROWS, "ms": ms, "bytes": total, "source": "timed"}
+    log.info("packed weights: fewer than %d rows multiply as %d (1-row products over %d MB: %s ms)", MIN_ROWS,
+             MIN_ROWS, total >> 20, ", ".join(f"padded to {r}: {ms[r]}" for r in TUNE_ROWS))
+    return _tuned
 
 
 def packable(w: object) -> bool:

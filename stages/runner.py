@@ -46,7 +46,7 @@ from pool.step_chain import Samples
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
-from . import cpu_attention, cpu_ops
+from . import cpu_attention, cpu_ops, packed_linear
 from .batch import StepBatch
 from .checkpoint import load_checkpoint
 from .kv_cache import KVCache, kv_dtype_name
@@ -150,6 +150,8 @@ class StageRunner:
         if self.model.cpu_ops:  # a float32 CPU stage: float32 queries over a float32 or int8 pool
             cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
             cpu_ops.available()  # the same for the layer ops (its rule 4)
+        if self.device.type == "cpu":
+            packed_linear.tune(self.model.packed_weights())  # its rule 6: how few rows run padded, on this CPU
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
         self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints,

@@ -2,6 +2,8 @@
 with packed weights gives transformers' logits (the oracle) as the plain stage does."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,9 +33,12 @@ def test_a_packed_weight_multiplies_every_row_count_like_f_linear(rows):
     assert p.nbytes == w.numel() * 4
 
 
-def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product():
-    """Rule 5: a product of 1-3 rows is a 4-row product cut back, so a lone decode row gets the values it gets
-    in a step of 4 (oneDNN's own 1-row kernel sums a 3072-long row in another order)."""
+@pytest.mark.parametrize("min_rows", packed_linear.TUNE_ROWS)
+def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product(monkeypatch, min_rows):
+    """Rule 5: a product of fewer rows than MIN_ROWS is a MIN_ROWS-row product cut back, so a lone decode row gets
+    the values it gets in a step of 4 (oneDNN's own 1-row kernel sums a 3072-long row in another order), with
+    either count rule 6 may choose."""
+    monkeypatch.setattr(packed_linear, "MIN_ROWS", min_rows)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(768, 3072, generator=g), torch.randn(768, generator=g)
     x = torch.randn(4, 3072, generator=g)
@@ -43,34 +48,97 @@ def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product():
         assert torch.equal(linear(x[:rows], p, b), full[:rows]), rows
 
 
-
-def test_the_padding_buffer_is_reused_and_its_extra_rows_are_zeros():
-    """Rule 5: the padded input is one buffer per thread and width; a call of fewer rows than the last zeroes the
-    rows the last one wrote, and the buffer serves calls inside inference mode and outside it."""
-    if packed_linear.MIN_ROWS < 4:
-        pytest.skip("padding is off (STRATA_PACKED_MIN_ROWS)")
+def test_the_padding_buffer_is_reused_and_its_extra_rows_are_zeros(monkeypatch):
+    """Rule 5: the padded input is one buffer per thread, width and row count; a call of fewer rows than the last
+    zeroes the rows the last one wrote, and the buffer serves calls inside inference mode and outside it."""
+    monkeypatch.setattr(packed_linear, "MIN_ROWS", 4)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 80, generator=g)
     p = PackedLinear(w)
     x = torch.randn(3, 80, generator=g)
     with torch.inference_mode():
         got3 = linear(x, p)
-    buf = packed_linear._pads.bufs[(80, torch.float32)][0]
+    key = (80, torch.float32, 4)
+    buf = packed_linear._pads.bufs[key][0]
     got1 = linear(x[2:], p)  # outside inference mode, fewer rows than the last call
-    assert packed_linear._pads.bufs[(80, torch.float32)][0] is buf
+    assert packed_linear._pads.bufs[key][0] is buf
     assert torch.equal(buf[0], x[2]) and not buf[1:].any()
     want = F.linear(x.double(), w.double())
     torch.testing.assert_close(got3.double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got1.double(), want[2:], rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(packed_linear, "MIN_ROWS", 2)  # a buffer of its own for another count
+    torch.testing.assert_close(linear(x[:1], p).double(), want[:1], rtol=1e-5, atol=1e-4)
+    assert packed_linear._pads.bufs[(80, torch.float32, 2)][0].shape == (2, 80)
+
 
 def test_the_padding_row_count_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "0")
     assert packed_linear._min_rows() == 0
     monkeypatch.delenv("STRATA_PACKED_MIN_ROWS")
-    assert packed_linear._min_rows() == 4
+    assert packed_linear._min_rows() is None  # rule 6: tune decides
     monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "four")
     with pytest.raises(ValueError, match="STRATA_PACKED_MIN_ROWS must be a whole number"):
         packed_linear._min_rows()
+
+
+class Timed:
+    """A stand-in weight for `tune`: a product costs `slow_s` when padded to `slow_rows`, nothing otherwise."""
+
+    def __init__(self, nbytes: int, slow_rows: int, slow_s: float = 0.003) -> None:
+        self.nbytes, self.shape, self.dtype = nbytes, (8, 16), torch.float32
+        self.slow_rows, self.slow_s, self.calls = slow_rows, slow_s, 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if packed_linear.MIN_ROWS == self.slow_rows:
+            time.sleep(self.slow_s)
+        return x
+
+
+@pytest.fixture
+def untuned(monkeypatch):
+    monkeypatch.delenv("STRATA_PACKED_MIN_ROWS", raising=False)
+    monkeypatch.setattr(packed_linear, "MIN_ROWS", packed_linear.MIN_ROWS)  # put back after the test
+    monkeypatch.setattr(packed_linear, "_tuned", None)
+
+
+@pytest.mark.parametrize("slow, chosen", [(4, 2), (2, 4)])
+def test_tune_keeps_the_row_count_that_multiplies_one_row_sooner(untuned, slow, chosen):
+    """Rule 6: the count whose padded 1-row products took less time, timed over the weights in order up to
+    TUNE_BYTES; once per process (a second call changes nothing, whatever it is given)."""
+    half = packed_linear.TUNE_BYTES // 2
+    weights = [Timed(half, slow) for _ in range(4)]
+    got = packed_linear.tune(weights, rounds=3)
+    assert got["min_rows"] == chosen == packed_linear.MIN_ROWS and got["source"] == "timed"
+    assert got["bytes"] == packed_linear.TUNE_BYTES and got["ms"][slow] > got["ms"][chosen]
+    assert [w.calls for w in weights] == [6, 6, 0, 0]  # two candidates x 3 rounds, the first TUNE_BYTES only
+    assert packed_linear.tune([Timed(half, chosen)], rounds=3) is got and packed_linear.MIN_ROWS == chosen
+
+
+def test_tune_leaves_the_count_to_the_environment(untuned, monkeypatch):
+    monkeypatch.setenv("STRATA_PACKED_MIN_ROWS", "0")
+    w = Timed(1024, 4)
+    assert packed_linear.tune([w]) == {"min_rows": 0, "source": "environment"}
+    assert packed_linear.MIN_ROWS == 0 and w.calls == 0
+
+
+def test_a_cpu_stage_tunes_its_row_count_at_load(tmp_path, untuned):
+    """Rule 6 runs once the stage's weights are packed, over them (the runner's load)."""
+    from pool.config import config_from_dict
+    from stages.runner import StageRunner
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", layers=2, hidden=64, heads=4, kv_heads=2)
+    cfg = config_from_dict({"model": str(model), "engine": {"max_context": 64, "parallel": 2, "chunk_cells": 16,
+                                                             "kv_pool_tokens": 64, "threads": 1, "prefill_chunk": 64},
+                            "stages": [{"device": "cpu", "layers": [0, 2], "endpoint": "ipc:///tmp/x"}]})
+    runner = StageRunner(cfg, 0, pool_path=tmp_path / "pool")
+    try:
+        tuned = packed_linear._tuned
+        assert tuned is not None and tuned["source"] == "timed" and tuned["min_rows"] in packed_linear.TUNE_ROWS
+        assert tuned["bytes"] == sum(w.nbytes for w in runner.model.packed_weights()) > 0
+        assert packed_linear.MIN_ROWS == tuned["min_rows"]
+    finally:
+        runner.close()
 
 
 def test_packing_a_layer_drops_the_part_views_and_keeps_the_rest(tmp_path):
