@@ -23,7 +23,8 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   strata:kv_window_fills_total, strata:kv_window_stale_total, strata:kv_window_evictions_total,
   strata:kv_window_streamed_total, strata:kv_window_h2d_bytes_total, strata:kv_window_d2h_bytes_total
   (none when no stage has a window; a stage's values are those of its last heartbeat answer),
-  and per stage strata:stage_steps_total, strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
+  and per stage strata:stage_steps_total, strata:stage_steps_refused_total, strata:stage_steps_failed_total,
+  strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
   (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble), and the
   gauge strata:stage_weight_bytes (its weights as loaded, from its HELLO).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
@@ -245,6 +246,10 @@ class _LiveCollector(Collector):
 
 STAGE_COUNTERS = {
     "stage_steps": ("steps_run", "Steps a stage has run."),
+    "stage_steps_refused": ("steps_refused", "Steps a stage refused without running them (a table version it has "
+                                             "not seen, a chained row it cannot fill)."),
+    "stage_steps_failed": ("steps_failed", "Steps that failed on a stage while it computed them (their requests "
+                                           "ended with step_failed)."),
     "stage_busy_seconds": ("busy_s", "Seconds a stage spent computing steps (busy / wall time = its busy fraction)."),
     "stage_hidden_wait_seconds": ("hidden_wait_s", "Seconds a stage's steps waited for the previous stage's hidden "
                                                    "states (the pipeline's bubble, seen from that stage)."),

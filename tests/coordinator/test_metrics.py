@@ -28,7 +28,8 @@ EXPOSED = [
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
     "strata:kv_pool_cells", "strata:kv_pool_free_cells", "strata:kv_pool_held_cells",
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
-    "strata:decode_rows_chained_total", *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_busy_seconds_total",
+    "strata:decode_rows_chained_total", *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_steps_refused_total",
+    "strata:stage_steps_failed_total", "strata:stage_busy_seconds_total",
     "strata:stage_hidden_wait_seconds_total", "strata:stage_weight_bytes",
 ]
 
@@ -112,6 +113,8 @@ def test_stage_time_per_stage(served):
     for entry in STAGES:
         label = (("stage", str(entry["stage"])),)
         assert s[("strata:stage_steps_total", label)] == entry["steps_run"]
+        assert s[("strata:stage_steps_refused_total", label)] == entry["steps_refused"]
+        assert s[("strata:stage_steps_failed_total", label)] == entry["steps_failed"]
         assert s[("strata:stage_busy_seconds_total", label)] == entry["busy_s"]
         assert s[("strata:stage_hidden_wait_seconds_total", label)] == entry["hidden_wait_s"]
         if entry.get("weight_bytes") is not None:
