@@ -109,7 +109,7 @@ class AnswerShaper:
         self.plan = plan
         self._think = reasoning.ThinkSplitter(plan.inside) if plan.reasoning else None
         self._tools = tp.StreamParser(plan.family, plan.tool_names) if plan.family else None
-        self.calls = 0
+        self.calls = 0  # CallStart events given out so far; both routes' stop reasons read it
 
     def feed(self, text: str) -> list[Event]:
         if self._think is None:

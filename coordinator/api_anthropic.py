@@ -68,7 +68,6 @@ class _Blocks:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
-        self.calls = 0
         self.pinged = False
 
     def _start(self, kind: str, block: dict) -> list[str]:
@@ -100,7 +99,6 @@ class _Blocks:
             out = [] if self.open == "text" else self._start("text", {"type": "text", "text": ""})
             return out + [self._delta({"type": "text_delta", "text": e.text})]
         if isinstance(e, CallStart):
-            self.calls += 1
             return self._start("tool_use", {"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
         if isinstance(e, CallArgs):
             return [self._delta({"type": "input_json_delta", "partial_json": e.text})]
@@ -127,7 +125,7 @@ async def _events(run: Generation, message: dict, shaper: AnswerShaper) -> Async
             yield out
         if not blocks.pinged:
             yield sse_event("ping", {})
-        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason(run, blocks.calls),
+        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason(run, shaper.calls),
                                                     "stop_sequence": run.stop_sequence},
                                           "usage": usage_body(run)})
         yield sse_event("message_stop", {})
@@ -146,7 +144,7 @@ def content_blocks(shaped: Shaped) -> list[dict]:
         blocks.append({"type": "thinking", "thinking": shaped.reasoning, "signature": ""})
     if shaped.text or not shaped.calls:
         blocks.append({"type": "text", "text": shaped.text})
-    # A call the model broke off (cut at max_tokens, malformed JSON) has no input to give: {} (tool_parsers rule 3).
+    # A call the model broke off (cut at max_tokens, malformed JSON) has no input to give: {} (tool_reader.py rule 3).
     blocks += [{"type": "tool_use", "id": cid, "name": c.name, "input": json.loads(c.arguments) if c.valid else {}}
                for cid, c in shaped.calls]
     return blocks
