@@ -347,14 +347,16 @@ class Server:
 
 @pytest.fixture(scope="module")
 def strata_up(tiny_model_factory):
-    """strata_up(n_stages=2, **engine) -> a started Server on the serving model; all stopped when the module
-    ends."""
+    """strata_up(n_stages=2, model=None, saves=False, **engine) -> a started Server on `model` (tiny_model_factory
+    arguments; None: the serving model), with `engine.slot_save_path` in its own directory when `saves`; all
+    stopped when the module ends."""
     made: list[Server] = []
-    model = tiny_model_factory(**SERVING_MODEL)
 
-    def make(n_stages: int = 2, **engine: object) -> Server:
+    def make(n_stages: int = 2, model: dict | None = None, saves: bool = False, **engine: object) -> Server:
         root = Path(tempfile.mkdtemp(prefix="su", dir="/tmp"))
-        server = Server(root, model, dict(engine), n_stages=n_stages)
+        if saves:
+            engine["slot_save_path"] = str(root / "saves")
+        server = Server(root, tiny_model_factory(**(model or SERVING_MODEL)), dict(engine), n_stages=n_stages)
         made.append(server)
         server.start()
         return server

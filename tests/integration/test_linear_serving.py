@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import shutil
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,15 +21,9 @@ MAX = 10
 
 
 @pytest.fixture(scope="module")
-def hybrid(tiny_model_factory):
-    model = tiny_model_factory("qwen3_next", layers=4, hidden=64, heads=4, kv_heads=2, seed=5)
-    root = Path(tempfile.mkdtemp(prefix="sl", dir="/tmp"))
-    server = Server(root, model, {"max_context": 256, "kv_pool_tokens": 1024, "parallel": 2, "state_entries": 3,
-                                  "slot_save_path": str(root / "saves")})
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(root, ignore_errors=True)
+def hybrid(strata_up):
+    return strata_up(model={"arch": "qwen3_next", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 5},
+                     saves=True, max_context=256, kv_pool_tokens=1024, parallel=2, state_entries=3)
 
 
 @pytest.fixture(autouse=True)
