@@ -25,6 +25,9 @@ Rules:
   same checks against the other stages. It is then *joining*: `on_stage_up(index)` is called (the scheduler
   sends a snapshot with `send_ops(..., stage=index, snapshot=True)`), and when that returns the stage is up
   again. `stages_up` is only true for stages that are up; steps are refused while any stage is not.
+  With chained steps on several stages, the first stage (when up) gets a HELLO too: it drops the steps it has
+  queued, one of which may wait for the down stage's samples (pool/step_chain.py rule 6); its answer, from a
+  stage that is up, changes nothing here.
 - An ERROR naming a step fails that step's future with StepFailed; the stage keeps serving.
 - A step past its deadline (coordinator/deadlines.py: from its size and the measured rate, with a floor of
   `coordinator.step_timeout_ms`) marks the stage holding it down: every step in flight fails with StageDown
@@ -50,6 +53,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from pool import step_chain
 from pool.config import Config
 from pool.logs import event
 from pool.curve import connect_with, load_keys
@@ -354,6 +358,9 @@ class StageLink:
             self.on_stage_down(p.index, reason)
         self._close_socket(p)
         self._open(p)
+        first = self._peers[0]
+        if p is not first and step_chain.ring(self.cfg) and first.state == "up" and first.sock is not None:
+            self._send_hello(first)  # its chained steps wait for samples this stage will not send (step_chain rule 6)
 
     # ---- sending -------------------------------------------------------------------------------------
     def _require_up(self) -> None:

@@ -252,7 +252,8 @@ STAGE_COUNTERS = {
                                            "ended with step_failed)."),
     "stage_busy_seconds": ("busy_s", "Seconds a stage spent computing steps (busy / wall time = its busy fraction)."),
     "stage_hidden_wait_seconds": ("hidden_wait_s", "Seconds a stage's steps waited for the previous stage's hidden "
-                                                   "states (the pipeline's bubble, seen from that stage)."),
+                                                   "states, or on the first stage for the last one's samples before "
+                                                   "a chained step (the pipeline's bubble, seen from that stage)."),
 }
 
 

@@ -11,8 +11,9 @@ Each loop turn:
      piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
-With one stage and `engine.chain_steps`, up to two steps are in flight: a decoding slot whose step in flight
-samples its next token joins the next step at once, reading that token on the stage (pool/step_chain.py).
+With `engine.chain_steps`, up to S + 1 steps are in flight: a decoding slot whose token is sampled by the oldest
+step in flight joins the next step at once; the first stage reads that token from the last one (with one stage,
+its own sample), so no stage waits for a coordinator turn between decode steps (pool/step_chain.py).
 
 With S stages, a step carries at most ceil(active / S) decoding slots, so up to S groups are in flight and
 every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`), so a
@@ -111,6 +112,7 @@ class Scheduler:
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.in_flight = 0
+        self.flight: set[int] = set()  # the ids of the steps in flight (the oldest is what a chained row reads)
         self.step_ids = itertools.count(1)
         self.counters = {"refusals": {}, "truncations": 0, "lost": 0, "chained": 0}
         self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
@@ -400,7 +402,8 @@ class Scheduler:
 
     def _chainable(self, job: Job) -> bool:
         """pool/step_chain.py rules 1-2: `job` joins the next step before its token in flight comes back."""
-        return self.chaining and self.cache.entries is None and step_chain.chainable(job)
+        return (self.chaining and self.cache.entries is None
+                and step_chain.chainable(job, min(self.flight, default=None)))
 
     def _step_error(self, err: Exception, step: int) -> EngineError:
         if isinstance(err, StageDown):
@@ -423,6 +426,7 @@ class Scheduler:
             return
         finally:
             self.in_flight -= 1
+            self.flight.discard(header["step"])
             self._wake.set()
         sampled = {row[0]: row for row in result.get("tokens", [])}
         for job, (slot, start, n, sample) in zip(members, header["slots"]):
@@ -563,6 +567,7 @@ class Scheduler:
             for job in members:
                 job.in_flight += 1
             self.in_flight += 1
+            self.flight.add(header["step"])
             asyncio.create_task(self._run_step(header, fut, members))
         self.send_ops()
 

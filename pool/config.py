@@ -9,8 +9,9 @@ Decisions pinned by tests/pool/test_config.py:
   which PyYAML would otherwise resolve silently to the last one.
 - `kv_pool_tokens` that is not a multiple of `chunk_cells` is rounded UP to whole chunks (`n_chunks` is a
   ceiling) and `Config.notes()` says so: the pool never holds fewer cells than asked for.
-- Every address a stage binds (its `endpoint`, and the `data` endpoint of every stage after the first,
-  the only ones that receive hidden states) must be distinct, and a tcp one must not be the coordinator's
+- Every address a stage binds (its `endpoint`, and the `data` endpoint of every stage after the first, which
+  receive hidden states, and of the first one when it takes the last one's samples: pool/step_chain.py rule 6)
+  must be distinct, and a tcp one must not be the coordinator's
   HTTP port on the same host.
 
 Reading the YAML and applying `--set` overrides: pool/config_load.py; the endpoint checks: pool/endpoints.py
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pool import step_chain
 from pool.config_load import ConfigError, apply_overrides, read_yaml
 from pool.endpoints import LOOPBACK_HOSTS, MAX_IPC_PATH, check_endpoint, same_host, tcp_host_port
 from pool.runtime import expand
@@ -92,8 +94,8 @@ class EngineConfig(_Strict):
     # Pool on: a new request maps full chunks of another conversation's identical prefix instead of reading
     # them again (pool/chunk_map.py rules 12-17, coordinator/prefix_sharing.py). No effect with the pool off.
     share_prefixes: bool = True
-    # One stage: the next decode step is sent while the one before computes, reading the token the stage samples
-    # (pool/step_chain.py). No effect with several stages.
+    # The next decode step is sent while the one before is in flight; the first stage reads the token the last
+    # one sampled, sent to its data endpoint when they are not the same stage (pool/step_chain.py).
     chain_steps: bool = True
     # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
     # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
@@ -191,7 +193,8 @@ class StageConfig(_Strict):
 
     @property
     def data(self) -> str:
-        """Where this stage receives hidden states from the previous stage."""
+        """Where this stage receives hidden states from the previous stage (the first stage: the last stage's
+        samples, with chained steps on several stages: pool/step_chain.py rule 6)."""
         if self.data_endpoint:
             return self.data_endpoint
         hp = tcp_host_port(self.endpoint)
@@ -263,8 +266,11 @@ class Config(_Strict):
         bound: dict[str, str] = {}  # address -> the key that binds it
         for i, s in enumerate(self.stages):
             keys = [(f"stages.{i}.endpoint", s.endpoint)]
-            if i > 0:  # only stages after the first receive hidden states
+            if i > 0 or step_chain.ring(self):  # hidden states; the first stage: the last one's samples
                 data_key = f"stages.{i}.data_endpoint" if s.data_endpoint else f"stages.{i}.data (derived from the endpoint)"
+                if i == 0:
+                    data_key += (", where stage 0 takes the last stage's samples for chained steps; "
+                                 "or set engine.chain_steps: false")
                 keys.append((data_key, s.data))
             for key, addr in keys:
                 try:

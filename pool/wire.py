@@ -27,12 +27,14 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL = 3  # 2: SAVE/LOAD/DONE, generations in OPS and in the stage's HELLO; 3: the box token in HELLO and HIDDEN
+PROTOCOL = 4  # 2: SAVE/LOAD/DONE, generations in OPS and in the stage's HELLO; 3: the box token in HELLO and HIDDEN;
+# 4: SAMPLES, from the last stage to the first (pool/step_chain.py rule 6)
 
 HELLO, WELCOME, OPS, STEP, HIDDEN = "HELLO", "WELCOME", "OPS", "STEP", "HIDDEN"
 RESULT, ERROR, PING, PONG, BYE = "RESULT", "ERROR", "PING", "PONG", "BYE"
 SAVE, LOAD, DONE = "SAVE", "LOAD", "DONE"  # session files: requests on the ordered stream, and each stage's answer
-KINDS = frozenset({HELLO, WELCOME, OPS, STEP, HIDDEN, RESULT, ERROR, PING, PONG, BYE, SAVE, LOAD, DONE})
+SAMPLES = "SAMPLES"  # the last stage's samples of a step, to the first stage (pool/step_chain.py rule 6)
+KINDS = frozenset({HELLO, WELCOME, OPS, STEP, HIDDEN, RESULT, ERROR, PING, PONG, BYE, SAVE, LOAD, DONE, SAMPLES})
 HANDSHAKE_KINDS = frozenset({HELLO, WELCOME})
 
 TENSORS_KEY = "_tensors"

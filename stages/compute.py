@@ -1,8 +1,10 @@
 """The stage's compute thread and the hidden states it waits for (see stages/server.py for the rules).
 
 `Compute` runs HELLO, OPS, STEP, SAVE and LOAD in the order the coordinator sent them, against the
-StageRunner it builds, and owns the PUSH socket to the next stage. `Hidden` holds hidden states from the
-previous stage, keyed by step id, until the step that needs them runs.
+StageRunner it builds, and owns the PUSH socket to the next stage (and, on the last stage of a box with chained
+steps, the one to the first stage's data endpoint: pool/step_chain.py rule 6). `Hidden` holds hidden states from
+the previous stage, or on the first stage the last stage's samples, keyed by step id, until the step that needs
+them runs.
 """
 from __future__ import annotations
 
@@ -18,23 +20,28 @@ import zmq
 
 from pool.logs import event
 from pool.curve import connect_with
-from pool.wire import DONE, ERROR, HELLO, HIDDEN, LOAD, OPS, RESULT, SAVE, STEP, encode
+from pool.wire import DONE, ERROR, HELLO, HIDDEN, LOAD, OPS, RESULT, SAMPLES, SAVE, STEP, encode
 
 log = logging.getLogger("strata.stage")
+RING_KEEP = 64  # SAMPLES the first stage keeps: a chained step names one of the S + 1 latest steps
 
 
 class Hidden:
-    """Hidden states from the previous stage, by step id, handed from the I/O thread to the compute thread."""
+    """Hidden states from the previous stage (on the first stage: the last stage's SAMPLES), by step id, handed
+    from the I/O thread to the compute thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int | None = None) -> None:
         self._cond = threading.Condition()
         self._items: dict[int, tuple[dict, list]] = {}
+        self.keep = keep  # at most this many kept, the latest (SAMPLES: most steps are never named by a chained one)
         self._epoch = 0
         self.closed = False
 
     def put(self, step: int, header: dict, tensors: list) -> None:
         with self._cond:
             self._items[step] = (header, tensors)
+            if self.keep is not None and len(self._items) > self.keep:
+                del self._items[min(self._items)]
             self._cond.notify_all()
 
     @property
@@ -69,7 +76,8 @@ class Compute(threading.Thread):
     """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
 
     def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int,
-                 next_data: str | None = None, hidden_token: str = "", curve: Any = None) -> None:
+                 next_data: str | None = None, hidden_token: str = "", curve: Any = None,
+                 ring_data: str | None = None, takes_samples: bool = False) -> None:
         super().__init__(name="stage-compute", daemon=True)
         self.build = build
         self.ctx = ctx
@@ -79,8 +87,11 @@ class Compute(threading.Thread):
         self.next_data = next_data  # the next stage's data endpoint (PUSH from this thread)
         self.hidden_token = hidden_token  # proves to the next stage that a HIDDEN comes from this box
         self.curve = curve  # pool/curve.py CurveKeys, or None
+        self.ring_data = ring_data  # the last stage of a ring: the first stage's data endpoint (SAMPLES)
+        self.takes_samples = takes_samples  # the first stage of a ring: chained rows wait for SAMPLES
+        self.ring_taken = 0  # the first stage: the last step whose SAMPLES went into the runner's Samples
         self.items: queue.Queue = queue.Queue()
-        self.hidden = Hidden()
+        self.hidden = Hidden(RING_KEEP if takes_samples else None)
         self.runner: Any = None
         self.session: str | None = None
         # Read by the I/O thread for every PONG; "kv_window" is replaced whole, never changed in place.
@@ -91,13 +102,8 @@ class Compute(threading.Thread):
         out = self.ctx.socket(zmq.PAIR)
         out.connect("inproc://stage-results")
         self.out = out
-        self.push = None
-        if self.has_next:
-            self.push = self.ctx.socket(zmq.PUSH)
-            connect_with(self.push, self.curve)
-            for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
-                self.push.setsockopt(opt, 0)
-            self.push.connect(self.next_data)
+        self.push = self._push(self.next_data) if self.has_next else None
+        self.ring = self._push(self.ring_data) if self.ring_data else None
         try:
             self.runner = self.build()
         except Exception as err:  # noqa: BLE001 - any failure to build is reported to the peer, then fatal
@@ -117,6 +123,8 @@ class Compute(threading.Thread):
                 elif kind in (STEP, SAVE, LOAD) and epoch != self.hidden.epoch:
                     event(log, "step.dropped", stage=self.index, step=header.get("step", header.get("req")),
                           kind=kind, why="sent before a HELLO")
+                    if kind == STEP:
+                        self._to_ring(header.get("step"), error="sent before a HELLO")
                 elif kind == STEP:
                     self._step(ident, header, tensors, epoch)
                 elif kind in (SAVE, LOAD):
@@ -128,6 +136,14 @@ class Compute(threading.Thread):
         finally:
             out.close(linger=-1)
 
+    def _push(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        connect_with(sock, self.curve)
+        for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+            sock.setsockopt(opt, 0)
+        sock.connect(endpoint)
+        return sock
+
     def _to_coord(self, ident: bytes, kind: str, header: dict, tensors: list = ()) -> None:
         self.out.send_multipart([b"C", ident, *encode(kind, header, tensors)], copy=False)
 
@@ -138,6 +154,7 @@ class Compute(threading.Thread):
             event(log, "stage.session", stage=self.index, session=session, previous=self.session,
                   generations=sum(1 for g in self.runner.hello()["generations"] or [] if g))
             self.session = session
+            self.ring_taken = 0  # step ids start again
             self._window_stats()  # a new session drops every frame
         self._to_coord(ident, HELLO, {**self.runner.hello(), "session": session})
 
@@ -208,8 +225,18 @@ class Compute(threading.Thread):
                 if not self.has_next:  # the coordinator waits for this step's answer: it gets the reason
                     self._to_coord(ident, ERROR, {"step": sid, "origin": origin,
                                                   "message": f"stage {self.index} dropped it: {why}"})
+                    self._to_ring(sid, error=why)
                 return
             hidden = from_raw(hidden_tensors[0])
+        elif self.takes_samples and header.get("chain"):
+            why = self._chain_samples(header, epoch)
+            if why is not None:  # its requests ended with the step it names; nothing runs
+                event(log, "step.dropped", logging.WARNING, stage=self.index, step=sid, why=why)
+                self.stats["steps_refused"] += 1
+                self._to_coord(ident, ERROR, {"step": sid, "refused": True,
+                                              "message": f"stage {self.index} dropped it: {why}"})
+                self._pass_error(sid, why)
+                return
         tokens = from_raw(tensors[0]) if tensors else None
         self.stats["busy"] = True
         t0 = time.perf_counter()
@@ -226,7 +253,41 @@ class Compute(threading.Thread):
         if self.has_next:
             self._to_next(encode(HIDDEN, {"step": sid, "box": self.hidden_token, "session": self.session}, [to_raw(out)]))
         else:
+            self._to_ring(sid, rows=out)  # first: the first stage may be waiting for it
             self._to_coord(ident, RESULT, {"step": sid, "tokens": out})
+
+    def _chain_samples(self, header: dict, epoch: int) -> str | None:
+        """The first stage of a ring (pool/step_chain.py rule 6): wait for the last stage's SAMPLES of every step
+        the chained rows name and record them for `Samples.fill`; None, or why one will never come."""
+        t0 = time.perf_counter()
+        try:
+            for named in sorted({int(entry[1]) for entry in header["chain"]}):
+                if named <= self.ring_taken:  # already recorded (Samples.fill checks each slot)
+                    continue
+                got, _, why = self.hidden.take(named, epoch)
+                if why is None and got.get("error"):
+                    why = f"it failed on the way: {got['error']}"
+                if why is not None:
+                    return f"the samples of step {named}, which it reads, will not come: {why}"
+                self.runner.samples.record(named, got.get("rows") or [])
+                self.ring_taken = named
+            return None
+        finally:
+            self.stats["hidden_wait_s"] += time.perf_counter() - t0  # the ring's wait is the bubble too
+
+    def _to_ring(self, sid: int, rows: list | None = None, error: str | None = None) -> None:
+        """The last stage of a ring: what step `sid` sampled (or why it ended without samples), to the first."""
+        if self.ring is None:
+            return
+        header = {"step": sid, "box": self.hidden_token, "session": self.session}
+        if error is not None:
+            header["error"] = error
+        else:
+            header["rows"] = [[int(row[0]), int(row[1])] for row in rows or []]
+        try:
+            self.ring.send_multipart(encode(SAMPLES, header), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            event(log, "samples.dropped", logging.WARNING, stage=self.index, why="first stage not connected")
 
     def _window_stats(self) -> None:
         """The window's sizes and counters as of now (None without a window), for the next PONG."""
@@ -245,6 +306,8 @@ class Compute(threading.Thread):
                   exc=traceback.format_exc())
         self._to_coord(ident, ERROR, {"step": sid, "message": str(err), "refused": refused})
         self._pass_error(sid, str(err))
+        if not self.has_next:
+            self._to_ring(sid, error=str(err))
 
     def _pass_error(self, sid: int, message: str, origin: int | None = None) -> None:
         """Tell the next stage to drop step `sid`; `origin` is the stage where it failed (this one by default)."""

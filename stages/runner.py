@@ -21,9 +21,10 @@ Rules:
   runner writes them into the pool file's header after the ops' bytes moved, and HELLO reports them, so after
   a crash the coordinator keeps exactly the conversations whose chunks this file still holds for them. They
   belong to one coordinator session: `reset(session)` zeroes them when the file names another session.
-- Chained rows (pool/step_chain.py): a step whose header has `chain` runs only on a stage that embeds and
-  samples; each chained row reads the token this stage sampled for its slot in the step it names, else the
-  step is refused before anything runs.
+- Chained rows (pool/step_chain.py): a step whose header has `chain` runs only with `engine.chain_steps`, and
+  on a first stage that samples or takes the last stage's samples (the ring, recorded by stages/compute.py);
+  each chained row reads the token sampled for its slot in the step it names, else the step is refused before
+  anything runs.
 - Session files (stages/snapshot.py): `save_session` writes cells [0, cells) of a table to this stage's part,
   `restore_session` checks a part (`check`) or reads it into a table's cells; with linear-attention layers the
   request names the table's state entry (`state`), saved and read with the cells. Names are joined to this
@@ -42,6 +43,7 @@ from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
 from pool.runtime import Hold, hold, private_dir
 from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, snapshot_fingerprint
+from pool import step_chain
 from pool.step_chain import Samples
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
@@ -348,9 +350,11 @@ class StageRunner:
             if start + n > self.max_context:
                 raise ValueError(f"step {sid}: slot {slot} reaches cell {start + n}, max_context is {self.max_context}")
             self.mirror.check_write(slot, start, n, self.cfg.engine.chunk_cells, step=sid)  # SharedWrite
-        if header.get("chain") and not (self.model.is_first and self.model.is_last):
-            raise ValueError(f"step {sid}: chained rows need a stage that embeds and samples (pool/step_chain.py "
-                             f"rule 1), this one holds layers {self.first}-{self.last}")
+        takes_chain = step_chain.enabled(self.cfg) and (self.model.is_last or step_chain.ring(self.cfg))
+        if header.get("chain") and not takes_chain:
+            raise ValueError(f"step {sid}: chained rows need engine.chain_steps and a first stage that samples or "
+                             f"hears the last stage's samples (pool/step_chain.py rule 1); this one holds layers "
+                             f"{self.first}-{self.last}")
 
     def step(self, header: dict, tokens: torch.Tensor | None, hidden: torch.Tensor | None) -> Any:
         """Run one step: hidden `[T, hidden]` on a non-last stage, RESULT token rows on the last.
@@ -363,7 +367,7 @@ class StageRunner:
         x = tokens if self.model.is_first else hidden
         if x is None:
             raise ValueError(f"step {sid}: no {'token ids' if self.model.is_first else 'hidden states'} came with it")
-        if header.get("chain"):  # tokens this stage sampled in the steps before (pool/step_chain.py)
+        if header.get("chain") and self.model.is_first:  # tokens sampled in the steps before (pool/step_chain.py)
             self.samples.fill(sid, slots, header["chain"], x)
         if self.sampler is not None:
             for slot, params in (header.get("sampling") or {}).items():

@@ -11,7 +11,9 @@ Shape: bind, build, handshake, loop. Two threads, so a PING is answered while a 
                        <- PING, answered here with PONG at once
     PULL    data       <- HIDDEN from stage i-1  ──> Hidden (keyed by step) ──>  the step that needs it
                                                                 PUSH next data -> HIDDEN to stage i+1
-The compute thread owns the PUSH socket (no other thread touches it): a step's hidden states leave as soon
+                       <- SAMPLES from the last stage (stage 0, chained steps: pool/step_chain.py rule 6)
+                                                                PUSH stage 0's data -> SAMPLES (the last stage)
+The compute thread owns the PUSH sockets (no other thread touches them): a step's hidden states leave as soon
 as they are computed, without a hop through the I/O thread.
 
 Rules:
@@ -24,6 +26,8 @@ Rules:
   stage i-1; one for a later step means this one will never come (stage i-1 refused it, or restarted),
   so the step is dropped. A refused or failed step sends HIDDEN {"step", "error"} on, so later stages
   drop it too rather than wait; only the stage where it failed reports ERROR {step, message}.
+- Stage 0 of a box with chained steps (pool/step_chain.py rule 6) waits the same way, before a chained step, for
+  the last stage's SAMPLES of the step it names; the last stage sends SAMPLES for every step it ends.
 - An exception in a step is reported (ERROR) and the stage keeps serving. A failure to build (bad
   checkpoint, layer range outside the model) is fatal: ERROR {"fatal": true} to the coordinator (waiting a
   few seconds for it to connect if it has not), then exit status 1.
@@ -60,7 +64,9 @@ from pool.logs import event, setup_logging
 
 from .compute import Compute
 from .ownership import Ownership
-from pool.wire import BYE, ERROR, HELLO, HIDDEN, LOAD, OPS, PING, PONG, SAVE, STEP, WireError, decode, encode
+from pool import step_chain
+from pool.wire import (BYE, ERROR, HELLO, HIDDEN, LOAD, OPS, PING, PONG, SAMPLES, SAVE, STEP, WireError, decode,
+                       encode)
 
 log = logging.getLogger("strata.stage")
 
@@ -109,7 +115,8 @@ class StageServer:
         self.router = self._socket(zmq.ROUTER)
         self.results = self.ctx.socket(zmq.PAIR)
         self.results.bind("inproc://stage-results")
-        self.pull = self._socket(zmq.PULL) if index > 0 else None
+        self.ring = step_chain.ring(cfg)  # stage 0 takes the last stage's samples (pool/step_chain.py rule 6)
+        self.pull = self._socket(zmq.PULL) if index > 0 or self.ring else None
         for sock in (self.router, self.pull):
             if sock is not None:
                 serve_on(sock, self.curve)
@@ -120,9 +127,11 @@ class StageServer:
         except EndpointBusy:
             self._release()
             raise
-        next_data = cfg.stages[index + 1].data if index < len(cfg.stages) - 1 else None
+        last = index == len(cfg.stages) - 1
+        next_data = cfg.stages[index + 1].data if not last else None
+        ring_data = cfg.stages[0].data if self.ring and last else None
         self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data, self.owners.hidden_token,
-                               self.curve)
+                               self.curve, ring_data, takes_samples=self.ring and index == 0)
         self.peer: bytes | None = None  # the coordinator's identity, once its HELLO was accepted
         self.fatal: str | None = None
         self.ready = False
@@ -210,16 +219,19 @@ class StageServer:
         return self.owners.ident
 
     def _from_prev(self) -> None:
+        """HIDDEN from the stage before; on stage 0, SAMPLES from the last stage. Both wait, keyed by step id, for
+        the step that needs them (Compute.hidden), and only when they carry the box token and this session."""
+        want = HIDDEN if self.index > 0 else SAMPLES
         for frames in _waiting(self.pull):
             try:
                 kind, header, tensors = decode(frames)
-                if kind != HIDDEN or not isinstance(header.get("step"), int):
-                    raise WireError(f"expected HIDDEN with a step id, got {kind}")
+                if kind != want or not isinstance(header.get("step"), int):
+                    raise WireError(f"expected {want} with a step id, got {kind}")
             except WireError as err:
                 event(log, "hidden.malformed", logging.WARNING, stage=self.index, message=str(err))
                 continue
             if not same_token(header.get("box"), self.owners.hidden_token):
-                event(log, "hidden.refused", logging.WARNING, stage=self.index, step=header["step"],
+                event(log, "hidden.refused", logging.WARNING, stage=self.index, step=header["step"], kind=kind,
                       reason="not from a stage of this box (box token)")
                 continue
             if header.get("session") != self.owners.session:  # a step of a coordinator this stage left behind

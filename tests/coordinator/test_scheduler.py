@@ -8,6 +8,7 @@ conversation all change the tokens, so these tests compare against solo runs tok
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -39,7 +40,8 @@ class CellLink:
         self.steps = 0
         self.max_in_flight = 0
         self._in_flight = 0
-        self.samples = Samples()  # what a stage that embeds and samples keeps for chained rows
+        self.samples = Samples()  # what the first stage keeps for chained rows (its own or the ring's samples)
+        self.unanswered: set[int] = set()  # steps sent whose answer has not come back
         self.chained = 0  # rows that read a token sampled by the step before
         self.refused: list[int] = []  # steps refused as a stage refuses them (StepFailed)
 
@@ -71,7 +73,8 @@ class CellLink:
         except StepFailed as err:
             self.refused.append(header["step"])
             if self.serial:  # answered in order, after the steps before it
-                return asyncio.ensure_future(self._later(err))
+                self.unanswered.add(header["step"])
+                return asyncio.ensure_future(self._later(err, header["step"]))
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(err)
             return fut
@@ -79,9 +82,10 @@ class CellLink:
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(err)
             return fut
-        return asyncio.ensure_future(self._later(result))
+        self.unanswered.add(header["step"])
+        return asyncio.ensure_future(self._later(result, header["step"]))
 
-    async def _later(self, result: dict | Exception) -> dict:
+    async def _later(self, result: dict | Exception, step: int) -> dict:
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
         delay = self.delay
@@ -91,6 +95,7 @@ class CellLink:
             delay = self._free_at - now
         await asyncio.sleep(delay)
         self._in_flight -= 1
+        self.unanswered.discard(step)
         if isinstance(result, Exception):
             raise result
         return result
@@ -99,7 +104,9 @@ class CellLink:
         assert header["version"] == self.mirror.version, "step ran against a stale table"
         self.steps += 1
         if header.get("chain"):
-            assert len(self.stages_up) == 1, "a chained step on a box of several stages"
+            # rule 2: only the oldest step in flight, which on a layer split has passed the first stage: none newer
+            # than the oldest not yet answered
+            assert max(s for _, s in header["chain"]) <= min(self.unanswered, default=math.inf), self.unanswered
             tokens = list(tokens)
             try:
                 self.samples.fill(header["step"], header["slots"], header["chain"], tokens)
@@ -167,15 +174,19 @@ async def solo(cfg, prompt, max_tokens=12):
         await sched.stop()
 
 
+@pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("pool", [True, False])
-async def test_concurrent_slots_match_solo_runs(pool):
-    cfg = make_cfg(pool)
-    alone = [await solo(cfg, p) for p in prompts()]
+async def test_concurrent_slots_match_solo_runs(pool, chain):
+    """Two stages: two slot groups in flight, and with chained steps (pool/step_chain.py) a third step that reads
+    the tokens of the oldest (CellLink asserts it names no other)."""
+    cfg = make_cfg(pool, chain_steps=chain)
+    alone = [await solo(make_cfg(pool, chain_steps=False), p) for p in prompts()]
     sched, link = await started(cfg, delay=0.001)
     together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
     assert [t for t, _ in together] == [t for t, _ in alone]
     assert all(f.completion_tokens == 12 and f.reason == "length" for _, f in together)
-    assert link.max_in_flight == 2  # two stages: two slot groups in flight
+    assert link.max_in_flight == 2 + chain
+    assert (link.chained > 10) == chain and sched.counters["chained"] == link.chained
     assert_pool_accounted(sched)
     await sched.stop()
 
@@ -388,7 +399,7 @@ async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
     assert (out, fin.reason) == (alone[0], "length")
     pieces = [row[0][1:3] for row in link.sent[:4]]
     assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]
-    assert link.overlaps >= 2 and link.max_in_flight == 2  # pieces go out in pairs, never more than S = 2
+    assert link.overlaps >= 2 and link.max_in_flight == 3  # pieces overlap, never more than S + 1 (chained steps)
     assert_pool_accounted(sched)
     await sched.stop()
 
@@ -498,9 +509,10 @@ async def test_one_stage_chains_its_decode_steps_and_answers_as_solo_runs(pool):
     token the stage sampled; the answers are those of unchained two-stage runs, and no step is spent."""
     cfg = make_cfg(pool, n_stages=1)
     alone = [await solo(make_cfg(pool), p) for p in prompts()]
-    assert sched_chaining(make_cfg(pool)) == 0 and sched_chaining(cfg) == 1
+    assert sched_chaining(make_cfg(pool)) == 1 and sched_chaining(cfg) == 1
     assert sched_chaining(make_cfg(pool, n_stages=1, chain_steps=False)) == 0
-    plain, chained = await steps_of(make_cfg(pool), prompts()[0]), await steps_of(cfg, prompts()[0])
+    plain = await steps_of(make_cfg(pool, chain_steps=False), prompts()[0])
+    chained = await steps_of(cfg, prompts()[0])
     # 12 tokens: the prompt's last piece samples one, one plain decode step, then 10 chained; no step more
     assert plain == (chained[0], 0) and chained[1] == 10
     sched, link = await started(cfg, delay=0.001, serial=True)
@@ -546,7 +558,8 @@ class LostSampleLink(CellLink):
     def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
         if header["step"] != self.fail_step:
             return super().submit(header, tokens)
-        return asyncio.ensure_future(self._later(StepFailed(header["step"], 0, "boom")))
+        self.unanswered.add(header["step"])
+        return asyncio.ensure_future(self._later(StepFailed(header["step"], 0, "boom"), header["step"]))
 
 
 async def test_a_step_chained_on_a_failed_one_is_refused_and_the_loop_goes_on():

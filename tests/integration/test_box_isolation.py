@@ -3,8 +3,8 @@ stage sockets can do to a running box (nothing), each against a live `strata up`
 
 Every test first records the box's greedy answer, attacks, then asks again: the same text, every cell free.
 Without the checks of stages/ownership.py and the endpoint locks, each attack breaks the box (a HELLO resets
-the stages' tables, a rogue HIDDEN for a later step makes stage 1 drop the real one, a second stage removes the
-live one's socket file).
+the stages' tables, a rogue HIDDEN for a later step makes stage 1 drop the real one, a rogue SAMPLES for a later
+step makes stage 0 drop every chained step, a second stage removes the live one's socket file).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from pool.runtime import write_key
-from pool.wire import ERROR, HELLO, HIDDEN, LOAD, OPS, PROTOCOL, SAVE, STEP, decode, encode
+from pool.wire import ERROR, HELLO, HIDDEN, LOAD, OPS, PROTOCOL, SAMPLES, SAVE, STEP, decode, encode
 from tests.integration.conftest import ROOT
 
 MSGS = [{"role": "user", "content": "Name three rivers."}]
@@ -83,7 +83,8 @@ def test_second_strata_up_is_refused_before_starting_anything(server):
 
 
 def test_rogue_peer_gets_nothing_and_changes_nothing(server):
-    """HELLO without the box key, OPS / STEP / SAVE / LOAD without a HELLO, and a HIDDEN for a far later step."""
+    """HELLO without the box key, OPS / STEP / SAVE / LOAD without a HELLO, a HIDDEN for a far later step, and a
+    SAMPLES for one on stage 0's data endpoint (where the last stage's samples come: pool/step_chain.py rule 6)."""
     ctx = zmq.Context()
     try:
         rogue = ctx.socket(zmq.DEALER)
@@ -101,6 +102,10 @@ def test_rogue_peer_gets_nothing_and_changes_nothing(server):
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(server.cfg.stages[1].data)
         push.send_multipart(encode(HIDDEN, {"step": 10**9, "error": "rogue"}))
+        ring = ctx.socket(zmq.PUSH)
+        ring.setsockopt(zmq.LINGER, 1000)
+        ring.connect(server.cfg.stages[0].data)
+        ring.send_multipart(encode(SAMPLES, {"step": 10**9, "rows": [[0, 1]], "session": "rogue"}))
         time.sleep(1.0)
         assert not rogue.poll(500), "nothing but the HELLO refusal comes back"
     finally:

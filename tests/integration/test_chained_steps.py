@@ -1,5 +1,6 @@
 """Chained decode steps (pool/step_chain.py) over real processes: `strata up` with one CPU stage, which samples
-and embeds, behind the official `openai` client.
+and embeds, and with two, where the last stage sends its samples to the first (the ring), behind the official
+`openai` client.
 
 The oracle is transformers' greedy continuation; concurrent requests are compared with their solo runs, and the
 coordinator's count of chained rows (`strata:decode_rows_chained`) shows the steps were chained. A refused
@@ -17,9 +18,9 @@ EARLY_EOS = [418, 442, 469, 411, 246, 346]  # greedy: 4 tokens, then an eos id (
 SEEDED = {"temperature": 1.0, "seed": 77, "extra_body": {"top_k": 40, "repetition_penalty": 1.2}}
 
 
-@pytest.fixture(scope="module")
-def server(strata_up):
-    return strata_up(n_stages=1, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64)
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-stage", "ring"])
+def server(strata_up, request):
+    return strata_up(n_stages=request.param, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64)
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,7 @@ def test_protocol_in_the_handshake_only() -> None:
     _, header, _ = decode(encode(wire.PING, {}))
     assert header == {}
     assert sorted(wire.KINDS) == sorted(["HELLO", "WELCOME", "OPS", "STEP", "HIDDEN", "RESULT", "ERROR", "PING",
-                                         "PONG", "BYE", "SAVE", "LOAD", "DONE"])
+                                         "PONG", "BYE", "SAVE", "LOAD", "DONE", "SAMPLES"])
 
 
 def test_over_zmq_pair_ipc(tmp_path: Path) -> None:

@@ -218,7 +218,26 @@ def test_a_chained_step_reads_the_token_the_stage_sampled(local):
     assert r.sampler.params[1] is None
     with pytest.raises(ValueError, match="one token and sample"):
         r.step({**stale, "slots": [[0, pos, 1, 0]], "chain": [[0, m.step_id]]}, torch.tensor([CHAINED]), None)
+    chained = {"step": 1, "version": 0, "slots": [[0, 0, 1, 1]], "chain": [[0, 0]]}
+    for ranges in ([[0, 4]], [[0, 2], [2, 4]]):
+        for runner in local(ranges, chain_steps=False).runners:
+            with pytest.raises(ValueError, match="engine.chain_steps"):
+                runner.check_step(chained)
+
+
+def test_a_split_reads_chained_tokens_from_the_last_stages_samples(local):
+    """Rule 4 on a layer split: the first stage fills chained rows from the samples the ring brought (recorded
+    here as stages/compute.py records them); the other stages take the step's hidden states as any other."""
+    want = local([[0, 4]]).generate(0, PROMPT_A, 4)
     split = local([[0, 2], [2, 4]])
-    for runner in split.runners:
-        with pytest.raises(ValueError, match="embeds and samples"):
-            runner.check_step({"step": 1, "version": 0, "slots": [[0, 0, 1, 1]], "chain": [[0, 0]]})
+    head = split.runners[0]
+    out = split.step([[0, 0, len(PROMPT_A), 1]], PROMPT_A, {0: dict(GREEDY)})
+    got, pos = [out[0][1]], len(PROMPT_A)
+    for _ in range(4):
+        head.samples.record(split.step_id, out)  # the SAMPLES of the step before
+        out = split.step([[0, pos, 1, 1]], [CHAINED], chain=[[0, split.step_id]])
+        got.append(out[0][1])
+        pos += 1
+    assert got == want
+    with pytest.raises(ValueError, match="sampled nothing for it"):  # the ring has not brought the step before
+        split.step([[0, pos, 1, 1]], [CHAINED], chain=[[0, split.step_id]])
