@@ -95,8 +95,9 @@ class EngineConfig(_Strict):
     # them again (pool/chunk_map.py rules 12-17, coordinator/prefix_sharing.py). No effect with the pool off.
     share_prefixes: bool = True
     # The next decode step is sent while the one before is in flight; the first stage reads the token the last
-    # one sampled, sent to its data endpoint when they are not the same stage (pool/step_chain.py).
-    chain_steps: bool = True
+    # one sampled, sent to its data endpoint when they are not the same stage (pool/step_chain.py). "auto": on a
+    # box of one stage only (measured gains there; none measured for several on CPU stages, docs/BENCHMARKS.md).
+    chain_steps: bool | Literal["auto"] = "auto"
     # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
     # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
     state_entries: int = Field(0, ge=0)
@@ -270,7 +271,7 @@ class Config(_Strict):
                 data_key = f"stages.{i}.data_endpoint" if s.data_endpoint else f"stages.{i}.data (derived from the endpoint)"
                 if i == 0:
                     data_key += (", where stage 0 takes the last stage's samples for chained steps; "
-                                 "or set engine.chain_steps: false")
+                                 "or leave engine.chain_steps at auto")
                 keys.append((data_key, s.data))
             for key, addr in keys:
                 try:

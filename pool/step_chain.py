@@ -8,11 +8,13 @@ the stages). A chained step is sent while the step before it is still in flight;
 step instead of a token id, and the first stage puts in the token the last stage sampled for the slot there.
 
 Rules:
-1. With `engine.chain_steps` (`enabled`), on any number of stages: up to S + 1 steps are in flight. With one
-   stage, the stage that samples is the one that embeds. With several (`ring`), the last stage sends what it
-   sampled, or why a step ended without samples, to the first stage's data endpoint: the ring (rule 6).
-   `chain_steps: false`: S steps, no chain; a first stage that is not last then refuses a step with `chain`
-   in its header (ValueError: nothing run), as does any stage that does not embed.
+1. With `engine.chain_steps` (`enabled`: "auto" is on for a box of one stage, `true` on any number of stages),
+   up to S + 1 steps are in flight. With one stage, the stage that samples is the one that embeds. With several
+   (`ring`), the last stage sends what it sampled, or why a step ended without samples, to the first stage's
+   data endpoint: the ring (rule 6). Otherwise S steps, no chain, and a stage refuses a step with `chain` in
+   its header (ValueError: nothing run). The ring is not "auto" on several stages: on two CPU stages sharing
+   two cores it changed neither the mixed workload's makespan and bubble nor one request's inter-token latency
+   (docs/BENCHMARKS.md, "The sample ring"), and it makes stage 0 bind its data endpoint too.
 2. A job is chained (`chainable`) when its one step in flight samples its next token and is the oldest step in
    flight (on a layer split, the one the last stage computes or has finished: the first stage would otherwise
    wait for a step it has not even passed on), it has sampled before (a prompt's last piece is not followed),
@@ -48,7 +50,8 @@ CHAINED = -1  # the token id in a chained row (rule 3)
 
 def enabled(cfg: Any) -> bool:
     """Rule 1: chained steps on this box."""
-    return bool(cfg.engine.chain_steps)
+    chain = cfg.engine.chain_steps
+    return len(cfg.stages) == 1 if chain == "auto" else bool(chain)
 
 
 def ring(cfg: Any) -> bool:

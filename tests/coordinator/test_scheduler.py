@@ -399,7 +399,7 @@ async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
     assert (out, fin.reason) == (alone[0], "length")
     pieces = [row[0][1:3] for row in link.sent[:4]]
     assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]
-    assert link.overlaps >= 2 and link.max_in_flight == 3  # pieces overlap, never more than S + 1 (chained steps)
+    assert link.overlaps >= 2 and link.max_in_flight == 2  # pieces go out in pairs, never more than S = 2
     assert_pool_accounted(sched)
     await sched.stop()
 
@@ -509,7 +509,8 @@ async def test_one_stage_chains_its_decode_steps_and_answers_as_solo_runs(pool):
     token the stage sampled; the answers are those of unchained two-stage runs, and no step is spent."""
     cfg = make_cfg(pool, n_stages=1)
     alone = [await solo(make_cfg(pool), p) for p in prompts()]
-    assert sched_chaining(make_cfg(pool)) == 1 and sched_chaining(cfg) == 1
+    assert sched_chaining(make_cfg(pool)) == 0 and sched_chaining(cfg) == 1  # "auto": one stage only
+    assert sched_chaining(make_cfg(pool, chain_steps=True)) == 1
     assert sched_chaining(make_cfg(pool, n_stages=1, chain_steps=False)) == 0
     plain = await steps_of(make_cfg(pool, chain_steps=False), prompts()[0])
     chained = await steps_of(cfg, prompts()[0])

@@ -27,7 +27,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 @pytest.fixture(scope="module")
 def server(strata_up):
-    return strata_up()
+    return strata_up(chain_steps=True)  # stage 0 binds its data endpoint too (pool/step_chain.py rule 6)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ SEEDED = {"temperature": 1.0, "seed": 77, "extra_body": {"top_k": 40, "repetitio
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-stage", "ring"])
 def server(strata_up, request):
-    return strata_up(n_stages=request.param, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64)
+    return strata_up(n_stages=request.param, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64,
+                     chain_steps=True)
 
 
 @pytest.fixture(autouse=True)

@@ -45,8 +45,7 @@ async def prefill(d, slot: int) -> int:
 
 @pytest.mark.parametrize("n_stages,transport", [(2, "ipc"), (3, "tcp")])
 def test_chained_steps_on_a_split_read_the_last_stages_samples(box, n_stages, transport):
-    b = box(n_stages, transport=transport)
-    assert b.cfg.engine.chain_steps
+    b = box(n_stages, transport=transport, chain_steps=True)
     b.start_all()
 
     async def scenario() -> None:
@@ -70,7 +69,7 @@ def test_chained_steps_on_a_split_read_the_last_stages_samples(box, n_stages, tr
 
 
 def test_a_step_chained_on_a_failed_one_fails_and_the_box_goes_on(box):
-    b = box(2)
+    b = box(2, chain_steps=True)
     b.start_all()
 
     async def scenario() -> None:
@@ -96,7 +95,7 @@ def test_a_step_chained_on_a_failed_one_fails_and_the_box_goes_on(box):
 
 
 def test_a_chained_step_waiting_on_a_dead_last_stage_fails_and_the_first_stage_serves_again(box):
-    b = box(2)
+    b = box(2, chain_steps=True)
     b.start_all()
 
     async def scenario() -> None:

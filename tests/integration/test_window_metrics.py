@@ -79,8 +79,7 @@ def test_window_counters_in_both_views(server):
             assert s[(f"strata:kv_window_{key}_total", i)] == e[key], (key, i)
     assert s[("strata:kv_window_frames", "0")] == s[("strata:kv_window_frames", "1")] == FRAMES
     assert all(s[(f"strata:kv_window_{k}_total", i)] > 0 for k in ("fills", "h2d_bytes", "d2h_bytes") for i in "01")
-    # Each stage's own time: it computed every step it ran; stage 1 also waited for stage 0's hidden states, and
-    # stage 0, before its chained steps, for stage 1's samples (pool/step_chain.py rule 6): less than it computed.
+    # Each stage's own time: it computed every step it ran; stage 1 also waited for stage 0's hidden states.
     busy = {(x.name, x.labels["stage"]): x.value for fam in text_string_to_metric_families(text)
             for x in fam.samples if x.name.startswith("strata:stage_")}
     for i in "01":
@@ -88,7 +87,7 @@ def test_window_counters_in_both_views(server):
         assert 0 < busy[("strata:stage_busy_seconds_total", i)] < 60
         # none refused or failed, as the stage's own PONG counts them
         assert busy[("strata:stage_steps_refused_total", i)] == busy[("strata:stage_steps_failed_total", i)] == 0
-    assert 0 <= busy[("strata:stage_hidden_wait_seconds_total", "0")] < busy[("strata:stage_busy_seconds_total", "0")]
+    assert busy[("strata:stage_hidden_wait_seconds_total", "0")] == 0
     # weights as loaded, from each stage's HELLO: the first holds the embedding, the last the lm_head
     assert all(busy[("strata:stage_weight_bytes", i)] > 0 for i in "01")
     assert busy[("strata:stage_hidden_wait_seconds_total", "1")] > 0

@@ -109,17 +109,18 @@ def test_duplicate_endpoints() -> None:
     stages = [{"layers": [0, 1], "endpoint": "tcp://127.0.0.1:5000"},
               {"layers": [1, 2], "endpoint": "tcp://127.0.0.1:5001"},
               {"layers": [2, 3], "endpoint": "tcp://127.0.0.1:5002"}]
-    off = {"chain_steps": False}
-    err = _refused({"stages": stages, "engine": off})
+    err = _refused({"stages": stages})
     assert err.key == "stages.2.endpoint" and "already bound by stages.1.data" in str(err)
-    # Without chained steps stage 0 receives nothing there: its derived data port may be the next stage's endpoint.
-    config_from_dict({"stages": stages[:2], "engine": off})
-    # With them (the default) it takes the last stage's samples there (pool/step_chain.py rule 6).
-    err = _refused({"stages": stages[:2]})
+    # Stage 0 receives nothing there by default: its derived data port may be the next stage's endpoint.
+    two = config_from_dict({"stages": stages[:2]})
+    assert two.engine.chain_steps == "auto" and not step_chain.enabled(two) and not step_chain.ring(two)
+    # With chained steps on several stages it takes the last stage's samples there (pool/step_chain.py rule 6).
+    err = _refused({"stages": stages[:2], "engine": {"chain_steps": True}})
     assert err.key == "stages.1.endpoint" and "already bound by stages.0.data" in str(err)
-    assert "last stage's samples" in str(err) and "engine.chain_steps: false" in str(err)
-    one = config_from_dict({"stages": [stages[0]]})  # one stage: no ring, nothing more bound
-    assert one.engine.chain_steps and not step_chain.ring(one)
+    assert "last stage's samples" in str(err) and "engine.chain_steps at auto" in str(err)
+    one = config_from_dict({"stages": [stages[0]]})  # one stage: chained by default, no ring, nothing more bound
+    assert step_chain.enabled(one) and not step_chain.ring(one)
+    assert not step_chain.enabled(config_from_dict({"stages": [stages[0]], "engine": {"chain_steps": False}}))
     # An explicit data_endpoint equal to another stage's endpoint.
     stages = [{"layers": [0, 2], "endpoint": "ipc:///tmp/a"},
               {"layers": [2, 4], "endpoint": "ipc:///tmp/b", "data_endpoint": "ipc:///tmp/a"}]

@@ -219,8 +219,8 @@ def test_a_chained_step_reads_the_token_the_stage_sampled(local):
     with pytest.raises(ValueError, match="one token and sample"):
         r.step({**stale, "slots": [[0, pos, 1, 0]], "chain": [[0, m.step_id]]}, torch.tensor([CHAINED]), None)
     chained = {"step": 1, "version": 0, "slots": [[0, 0, 1, 1]], "chain": [[0, 0]]}
-    for ranges in ([[0, 4]], [[0, 2], [2, 4]]):
-        for runner in local(ranges, chain_steps=False).runners:
+    for ranges, chain in (([[0, 4]], False), ([[0, 2], [2, 4]], False), ([[0, 2], [2, 4]], "auto")):
+        for runner in local(ranges, chain_steps=chain).runners:
             with pytest.raises(ValueError, match="engine.chain_steps"):
                 runner.check_step(chained)
 
@@ -229,7 +229,7 @@ def test_a_split_reads_chained_tokens_from_the_last_stages_samples(local):
     """Rule 4 on a layer split: the first stage fills chained rows from the samples the ring brought (recorded
     here as stages/compute.py records them); the other stages take the step's hidden states as any other."""
     want = local([[0, 4]]).generate(0, PROMPT_A, 4)
-    split = local([[0, 2], [2, 4]])
+    split = local([[0, 2], [2, 4]], chain_steps=True)
     head = split.runners[0]
     out = split.step([[0, 0, len(PROMPT_A), 1]], PROMPT_A, {0: dict(GREEDY)})
     got, pos = [out[0][1]], len(PROMPT_A)
