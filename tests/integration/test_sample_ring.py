@@ -38,6 +38,15 @@ def send(d, slots: list[list[int]], tokens: list[int], reserve: bool = True, **e
     return d.link._last_step, fut
 
 
+async def started(b, n_decode: int) -> tuple:
+    """(link, driver, slot 0's greedy tokens: the answer every later request must give again)."""
+    b.start_all()
+    link = b.link()
+    await link.start(timeout=60)
+    d = b.driver(link)
+    return link, d, await d.generate(0, PROMPT, n_decode)
+
+
 async def prefill(d, slot: int) -> int:
     res = await d.step([[slot, 0, len(PROMPT), 1]], PROMPT, {slot: dict(GREEDY)})
     return res["tokens"][0][1]
@@ -46,13 +55,9 @@ async def prefill(d, slot: int) -> int:
 @pytest.mark.parametrize("n_stages,transport", [(2, "ipc"), (3, "tcp")])
 def test_chained_steps_on_a_split_read_the_last_stages_samples(box, n_stages, transport):
     b = box(n_stages, transport=transport, chain_steps=True)
-    b.start_all()
 
     async def scenario() -> None:
-        link = b.link()
-        await link.start(timeout=60)
-        d = b.driver(link)
-        want = await d.generate(0, PROMPT, 6)
+        link, d, want = await started(b, 6)
         out, pos = [await prefill(d, 1)], len(PROMPT)
         prev = send(d, [[1, pos, 1, 1]], [out[-1]])
         for i in range(6):
@@ -70,13 +75,9 @@ def test_chained_steps_on_a_split_read_the_last_stages_samples(box, n_stages, tr
 
 def test_a_step_chained_on_a_failed_one_fails_and_the_box_goes_on(box):
     b = box(2, chain_steps=True)
-    b.start_all()
 
     async def scenario() -> None:
-        link = b.link()
-        await link.start(timeout=60)
-        d = b.driver(link)
-        want = await d.generate(0, PROMPT, 3)
+        link, d, want = await started(b, 3)
         tok, pos = await prefill(d, 1), len(PROMPT)
         assert d.map.reserve(1, pos + 1)
         bad = send(d, [[9, pos, 1, 1]], [tok], reserve=False)  # slot 9 of 4: refused on every stage
@@ -96,13 +97,9 @@ def test_a_step_chained_on_a_failed_one_fails_and_the_box_goes_on(box):
 
 def test_a_chained_step_waiting_on_a_dead_last_stage_fails_and_the_first_stage_serves_again(box):
     b = box(2, chain_steps=True)
-    b.start_all()
 
     async def scenario() -> None:
-        link = b.link()
-        await link.start(timeout=60)
-        d = b.driver(link)
-        want = await d.generate(0, PROMPT, 3)
+        link, d, want = await started(b, 3)
         tok, pos = await prefill(d, 1), len(PROMPT)
         os.kill(b.procs[1].pid, signal.SIGSTOP)  # the plain step waits at stage 1, its samples with it
         plain = send(d, [[1, pos, 1, 1]], [tok])
