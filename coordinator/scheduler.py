@@ -11,9 +11,10 @@ Each loop turn:
      piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
-With chained steps (`engine.chain_steps`: one stage by default), up to S + 1 steps are in flight: a decoding slot whose token is sampled by the oldest
-step in flight joins the next step at once; the first stage reads that token from the last one (with one stage,
-its own sample), so no stage waits for a coordinator turn between decode steps (pool/step_chain.py).
+With chained steps (`engine.chain_steps`: one stage by default), up to S + 1 steps are in flight: a decoding
+slot whose token is sampled by the oldest step in flight joins the next step at once; the first stage reads that
+token from the last one (with one stage, its own sample), so no stage waits for a coordinator turn between
+decode steps (pool/step_chain.py).
 
 With S stages, a step carries at most ceil(active / S) decoding slots, so up to S groups are in flight and
 every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`), so a
