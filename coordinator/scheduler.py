@@ -112,7 +112,6 @@ class Scheduler:
         self.chaining = step_chain.enabled(cfg)  # one more step in flight, chained (pool/step_chain.py)
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
-        self.in_flight = 0
         self.flight: set[int] = set()  # the ids of the steps in flight (the oldest is what a chained row reads)
         self.step_ids = itertools.count(1)
         self.counters = {"refusals": {}, "truncations": 0, "lost": 0, "chained": 0}
@@ -401,6 +400,11 @@ class Scheduler:
             header["keep"] = keeps
         return header, tokens, members
 
+    @property
+    def in_flight(self) -> int:
+        """Steps on the wire, not yet answered."""
+        return len(self.flight)
+
     def _chainable(self, job: Job) -> bool:
         """pool/step_chain.py rules 1-2: `job` joins the next step before its token in flight comes back."""
         return (self.chaining and self.cache.entries is None
@@ -426,7 +430,6 @@ class Scheduler:
             self._fail_step(members, self._step_error(err, header["step"]))
             return
         finally:
-            self.in_flight -= 1
             self.flight.discard(header["step"])
             self._wake.set()
         sampled = {row[0]: row for row in result.get("tokens", [])}
@@ -567,7 +570,6 @@ class Scheduler:
                 continue
             for job in members:
                 job.in_flight += 1
-            self.in_flight += 1
             self.flight.add(header["step"])
             asyncio.create_task(self._run_step(header, fut, members))
         self.send_ops()

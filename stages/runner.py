@@ -350,8 +350,8 @@ class StageRunner:
             if start + n > self.max_context:
                 raise ValueError(f"step {sid}: slot {slot} reaches cell {start + n}, max_context is {self.max_context}")
             self.mirror.check_write(slot, start, n, self.cfg.engine.chunk_cells, step=sid)  # SharedWrite
-        takes_chain = step_chain.enabled(self.cfg) and (self.model.is_last or step_chain.ring(self.cfg))
-        if header.get("chain") and not takes_chain:
+        if header.get("chain") and not (step_chain.enabled(self.cfg)
+                                        and (self.model.is_last or step_chain.ring(self.cfg))):
             raise ValueError(f"step {sid}: chained rows need engine.chain_steps and a first stage that samples or "
                              f"hears the last stage's samples (pool/step_chain.py rule 1); this one holds layers "
                              f"{self.first}-{self.last}")
