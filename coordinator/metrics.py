@@ -240,6 +240,9 @@ class _LiveCollector(Collector):
         yield CounterMetricFamily("strata:decode_rows_chained",
                                   "Decode rows sent before the token they read came back (pool/step_chain.py).",
                                   value=counters.get("chained", 0))
+        yield GaugeMetricFamily("strata:pipeline_groups", "Steps the stages compute at once: the number of stages "
+                                "when pipelined, 1 when they take turns (pool/pipeline.py).",
+                                value=live.get("pipeline_groups", 1))
         yield from _window_series(live.get("kv_window", []))
         yield from _stage_series(live.get("stages", []))
 

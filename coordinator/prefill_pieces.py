@@ -15,7 +15,8 @@ there are stages to fill, and even. The rules, for a prompt of T tokens to read 
    piece count that reads one prompt alone the soonest through S stages: k pieces take (k + S - 1) steps of
    (one weight read + T / k tokens), least at k = sqrt((S - 1) * T / RIDGE). No piece is longer than
    `prefill_chunk` nor, when it can be helped, shorter than RIDGE (such a step costs its weight read for little).
-2. One stage (S = 1): n = 0, so only the even split: 513 tokens are 257 + 256, not 512 + 1.
+2. One stage (S = 1): n = 0, so only the even split: 513 tokens are 257 + 256, not 512 + 1. S counts the groups
+   of steps in flight (pool/pipeline.py rule 2): stages that take turns read a prompt as one stage does.
 3. q depends on T alone, not on how much is still unsent, so a prompt's pieces stay q long whichever step they
    go in; a step's prompt budget (`prefill_chunk` over all its pieces) may still cut one short, and the
    scheduler's own cuts (a state checkpoint's chunk boundary) come on top.

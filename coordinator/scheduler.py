@@ -3,23 +3,25 @@
 Each loop turn:
   1. admit waiting requests into slots (prefix reuse from the conversation cache, table moves, the
      prompt's cells reserved up front; refusal when the pool cannot cover it after evictions);
-  2. while fewer than S steps are in flight (S = number of stages), build a step from the slots with tokens
-     to send: decode slots whose last token came back read it, prefilling slots the next piece of their prompt
-     (at most `prefill_chunk` prompt tokens per step, so a long prompt never stalls the decoders for long; even
-     pieces, shorter with several stages so the steps in flight cost about the same: coordinator/prefill_pieces.py),
-     also while their earlier pieces are in flight: every stage runs steps in the order they were sent, so a
-     piece always finds the K/V and state of the pieces before it, and one long prompt keeps S stages busy;
+  2. while fewer than G steps are in flight (G groups, pool/pipeline.py: the number of stages S when they are
+     pipelined, 1 when they take turns), build a step from the slots with tokens to send: decode slots whose
+     last token came back read it, prefilling slots the next piece of their prompt (at most `prefill_chunk`
+     prompt tokens per step, so a long prompt never stalls the decoders for long; even pieces, shorter with
+     several groups so the steps in flight cost about the same: coordinator/prefill_pieces.py), also while
+     their earlier pieces are in flight: every stage runs steps in the order they were sent, so a piece always
+     finds the K/V and state of the pieces before it, and one long prompt keeps S pipelined stages busy;
   3. table ops reach every stage before the step that needs them (one ordered stream per stage).
 
-With chained steps (`engine.chain_steps`: one stage by default), up to S + 1 steps are in flight: a decoding
+With chained steps (`engine.chain_steps`: one stage by default), up to G + 1 steps are in flight: a decoding
 slot whose token is sampled by the oldest step in flight joins the next step at once; the first stage reads that
 token from the last one (with one stage, its own sample), so no stage waits for a coordinator turn between
-decode steps (pool/step_chain.py).
+decode steps (pool/step_chain.py). Stages in turns send that step only when it has such a row (it then waits
+at the first stage until the step before is done).
 
-With S stages, a step carries at most ceil(active / S) decoding slots, so up to S groups are in flight and
-every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`), so a
-step full of decoders still carries a piece and the steps in flight cost about the same: a step of decoders
-alone beside one with a 512-token piece would leave each stage idle while the other computes the piece.
+A step carries at most ceil(active / G) decoding slots, so with pipelined stages up to S groups are in flight
+and every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`),
+so a step full of decoders still carries a piece and the steps in flight cost about the same: a step of
+decoders alone beside one with a 512-token piece would leave each stage idle while the other computes the piece.
 
 Prefix sharing (pool on, `engine.share_prefixes`; coordinator/prefix_sharing.py): a new request maps the full
 chunks another conversation (held or running) has written for the same first tokens and prefills the rest; a
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from pool.chunk_map import ChunkMap, StaticMap
 from pool.config import Config
-from pool import step_chain
+from pool import pipeline, step_chain
 from pool.logs import event
 
 from . import linear_state, views
@@ -110,6 +112,8 @@ class Scheduler:
         self.held = self.cache.held
         self.sharing = e.pool_on and e.share_prefixes  # coordinator/prefix_sharing.py
         self.chaining = step_chain.enabled(cfg)  # one more step in flight, chained (pool/step_chain.py)
+        self.groups = pipeline.groups(cfg)  # steps in flight and groups of decoders (pool/pipeline.py)
+        self.turns = pipeline.turns(cfg)
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.flight: set[int] = set()  # the ids of the steps in flight (the oldest is what a chained row reads)
@@ -320,9 +324,10 @@ class Scheduler:
                  if j is not None and not j.done and (j.sent < len(j.tokens) or self._chainable(j))]
         if not ready:
             return None
+        if self.turns and self.flight and not any(self._chainable(j) for j in ready):
+            return None  # pool/pipeline.py rule 4: a second step in flight waits at stage 0 for its samples
         active = sum(1 for j in self.jobs if j is not None)
-        n_stages = len(self.cfg.stages)
-        cap = max(1, math.ceil(active / n_stages))
+        cap = max(1, math.ceil(active / self.groups))
         ready.sort(key=lambda j: (j.prefilling, j.slot))  # decoders first: they are cheap and latency-bound
         budget = self.cfg.engine.prefill_chunk
         slots, tokens, members, sampling, masks = [], [], [], {}, {}
@@ -340,7 +345,7 @@ class Scheduler:
             if job.prefilling:  # prefill pieces join any step, within the budget; the cap counts decoders
                 if budget <= 0:
                     continue
-                q = piece_tokens(len(job.tokens) - job.cached, self.cfg.engine.prefill_chunk, n_stages)
+                q = piece_tokens(len(job.tokens) - job.cached, self.cfg.engine.prefill_chunk, self.groups)
                 n = min(todo, budget, q)
                 if checkpoints is not None:
                     n = min(n, (start // c + 1) * c - start)  # a piece ends at the next boundary (rule 2)
@@ -547,7 +552,6 @@ class Scheduler:
 
     def _turn(self) -> None:
         """Admit what fits, then fill the pipeline with steps (ops always on the wire before their step)."""
-        n_stages = len(self.cfg.stages)
         while self.waiting and all(self.link.stages_up):
             job = self.waiting[0]
             try:
@@ -557,7 +561,7 @@ class Scheduler:
                 log.exception("admission of %s failed", job.req.request_id)
                 self._fail(job, EngineError.internal(f"admission failed: {err}"))
             self.waiting.popleft()
-        while self.in_flight < n_stages + self.chaining and all(self.link.stages_up):
+        while self.in_flight < self.groups + self.chaining and all(self.link.stages_up):
             built = self._build_step()
             self.send_ops()
             if built is None:

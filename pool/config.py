@@ -98,6 +98,10 @@ class EngineConfig(_Strict):
     # one sampled, sent to its data endpoint when they are not the same stage (pool/step_chain.py). "auto": on a
     # box of one stage only (measured gains there; none measured for several on CPU stages, docs/BENCHMARKS.md).
     chain_steps: bool | Literal["auto"] = "auto"
+    # Several stages: true keeps up to S steps in flight (each stage computes another group of slots), false one
+    # step at a time, each stage with all of its machine's cores; "auto": in turns when every stage is a CPU stage
+    # on one machine, pipelined otherwise (pool/pipeline.py).
+    pipeline: bool | Literal["auto"] = "auto"
     # Linear-attention state entries per stage (stages/state_pool.py, coordinator/linear_state.py): one per slot
     # and one per parked conversation that keeps its state; 0 = 2 x parallel. No effect on a model without them.
     state_entries: int = Field(0, ge=0)

@@ -43,7 +43,7 @@ from pool.config import Config, ConfigError
 from pool.memory import PoolLayout, PoolMemory, PoolMismatch, default_path
 from pool.runtime import Hold, hold, private_dir
 from pool.snapshot import SnapshotError, check_save_id, other_parts, part_path, snapshot_fingerprint
-from pool import step_chain
+from pool import pipeline, step_chain
 from pool.step_chain import Samples
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
@@ -78,17 +78,6 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "*")
-
-
-def _machine(endpoint: str) -> str:
-    """Which machine an endpoint's stage runs on, as far as the config says: "local" or the tcp host."""
-    if not endpoint.startswith("tcp://"):
-        return "local"  # ipc:// and inproc:// are this machine's
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-    return "local" if host in LOCAL_HOSTS else host
-
-
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -96,20 +85,18 @@ def _cores() -> int:
 def stage_threads(cfg: Config, index: int) -> int:
     """Torch CPU threads for stage `index`; 0 leaves torch's default.
 
-    `engine.threads` when set. Otherwise a CPU stage gets this machine's cores shared evenly among the CPU
-    stages the config puts on the same machine (at least one each): torch's default gives every process all
-    the cores, and two stages that each run a thread per core spin against each other, which makes a step
-    several times slower (docs/BENCHMARKS.md). A GPU stage keeps torch's default (its CPU threads only
-    launch work).
+    `engine.threads` when set. Otherwise a CPU stage gets this machine's cores: all of them when the stages take
+    turns (pool/pipeline.py rule 3), else shared evenly among the CPU stages the config puts on the same
+    machine (at least one each), since two pipelined stages that each run a thread per core spin against each
+    other, which makes a step several times slower (docs/BENCHMARKS.md). A GPU stage keeps torch's default (its
+    CPU threads only launch work).
     """
     if cfg.engine.threads:
         return cfg.engine.threads
     stage = cfg.stages[index]
     if stage.device != "cpu":
         return 0
-    here = _machine(stage.endpoint)
-    sharing = sum(1 for s in cfg.stages if s.device == "cpu" and _machine(s.endpoint) == here)
-    return max(1, _cores() // sharing)
+    return max(1, _cores() // pipeline.sharing(cfg, index))
 
 
 class StageRunner:

@@ -65,12 +65,13 @@ PEERS = ("transformers", "llama.cpp", "llama-server", "llama-server-f32")
 
 
 def peer_list(text: str) -> list[str]:
-    """Peers of `strata bench peers`: strata-N (Strata on N stages), transformers, llama.cpp, llama-server,
-    llama-server-f32."""
+    """Peers of `strata bench peers`: strata-N (Strata on N stages; strata-Np: pipelined, pool/pipeline.py),
+    transformers, llama.cpp, llama-server, llama-server-f32."""
     values = word_list(text)
     for v in values:
-        if v not in PEERS and not re.fullmatch(r"strata-[1-9][0-9]*", v):
-            raise argparse.ArgumentTypeError(f"unknown peer {v!r}; known: strata-N (N stages), {', '.join(PEERS)}")
+        if v not in PEERS and not re.fullmatch(r"strata-[1-9][0-9]*p?", v):
+            raise argparse.ArgumentTypeError(f"unknown peer {v!r}; known: strata-N (N stages), strata-Np (N stages "
+                                             f"pipelined), {', '.join(PEERS)}")
     return values
 
 

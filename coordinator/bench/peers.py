@@ -8,7 +8,8 @@ user's (Strata and llama.cpp only). Strata's rows carry its stages' weights as l
 
     build     python -m stages.bench_peers build           a random ~100M checkpoint (qwen3, 12 layers, hidden
                                                            768, MLP 3072, the tiny tokenizer's 512-token vocab)
-    strata-N  strata up --config <tmp>/strata-N.yaml       N CPU stages on a free port, threads split evenly;
+    strata-N  strata up --config <tmp>/strata-N.yaml       N CPU stages on a free port, in turns, each with the
+              whole thread budget (strata-Np: pipelined, the budget split evenly; pool/pipeline.py);
               the load generator (serve.py) sends the prompts as token ids to /v1/completions
     others    python -m stages.bench_peers hf | llamacpp   in-process, torch / llama.cpp threads = budget
     llama-server[-f32]  llama-server -np <slots> ...      on the llama.cpp peer's GGUF file, measured like Strata
@@ -188,11 +189,11 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     continue
                 gguf = gguf_path or f32_gguf(model_dir, tmp)
                 rows += run_llama_server_peer(args, peer, binary[0], gguf, tmp, prompts, notes, spec)
-            elif peer.startswith("strata-") and peer[7:].isdigit():
+            elif peer.startswith("strata-") and peer[7:].rstrip("p").isdigit():
                 rows += run_strata_peer(args, peer, gguf_path or model_dir, tmp, prompts, notes, spec)
             else:
-                raise ValueError(f"unknown peer {peer!r}; known: strata-N (N stages), transformers, llama.cpp, "
-                                 "llama-server, llama-server-f32")
+                raise ValueError(f"unknown peer {peer!r}; known: strata-N (N stages), strata-Np (pipelined), "
+                                 "transformers, llama.cpp, llama-server, llama-server-f32")
         except RuntimeError as err:  # one peer failing is reported; the others still run
             notes.append(f"{peer} FAILED: {err}")
             print(f"peer {peer} failed: {err}", file=sys.stderr, flush=True)
@@ -346,16 +347,18 @@ def short_note(peer: str, rows: list[dict[str, Any]], output_tokens: int) -> str
 def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Path,
                     prompts: dict[int, list[list[int]]], notes: list[str],
                     spec: WorkloadSpec | None = None) -> list[dict[str, Any]]:
-    n_stages = int(peer.split("-", 1)[1])
+    name = peer.split("-", 1)[1]
+    n_stages = int(name.rstrip("p"))
     port = free_port()
     cfg = strata_config(model_dir, n_stages, args.layers, args.threads, port, max_context=peer_cells(args, spec),
-                        parallel=peer_slots(args, spec), root=tmp)
+                        parallel=peer_slots(args, spec), root=tmp, pipeline=True if name.endswith("p") else "auto")
     path = tmp / f"{peer}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with StrataServer(path, port, tmp / f"{peer}.log") as server:
         found, text = measure_server(server.url, args, prompts, spec)
         weights = stage_weight_bytes(server.url)
-    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.threads {cfg['engine']['threads']} each, "
+    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.pipeline {cfg['engine']['pipeline']}, "
+                 f"engine.threads {cfg['engine']['threads']} each, "
                  f"layers {[s['layers'] for s in cfg['stages']]}, parallel {cfg['engine']['parallel']}, "
                  f"weights as loaded per stage (MiB) {[round(w / 2**20, 1) for w in weights]}")
     notes.append(short_note(peer, found, args.output_tokens))

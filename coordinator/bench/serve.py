@@ -306,10 +306,13 @@ async def run_level(client: httpx.AsyncClient, cfg: ServeConfig, concurrency: in
     return row
 
 
-async def _stage_time_once(client: httpx.AsyncClient) -> list[dict] | None:
+async def _stage_time_once(client: httpx.AsyncClient) -> dict | None:
     try:
         r = await client.get("/metrics", params={"format": "json"})
-        return r.json()["live"]["stages"] if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        live = r.json()["live"]
+        return {"stages": live["stages"], "groups": live.get("pipeline_groups")}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
@@ -317,8 +320,9 @@ async def _stage_time_once(client: httpx.AsyncClient) -> list[dict] | None:
 SETTLE_S = 0.6  # stage counters unchanged this long: every step that ran is in them (heartbeats: 250 ms)
 
 
-async def stage_time(client: httpx.AsyncClient, settle_s: float = SETTLE_S, limit_s: float = 5.0) -> list[dict] | None:
-    """A Strata server's per-stage time counters (/metrics JSON `live.stages`), read once their busy seconds stop
+async def stage_time(client: httpx.AsyncClient, settle_s: float = SETTLE_S, limit_s: float = 5.0) -> dict | None:
+    """A Strata server's per-stage time counters (/metrics JSON `live.stages`) and its pipeline groups
+    (`live.pipeline_groups`, pool/pipeline.py), {"stages": [...], "groups": G}, read once the busy seconds stop
     changing for `settle_s` (the stages report them with each heartbeat, so a read right after a level would miss
     its last steps), at most `limit_s`; None from any other server."""
     last = await _stage_time_once(client)
@@ -330,22 +334,25 @@ async def stage_time(client: httpx.AsyncClient, settle_s: float = SETTLE_S, limi
         now = await _stage_time_once(client)
         if now is None:
             return last
-        if [s.get("busy_s") for s in now] != [s.get("busy_s") for s in last]:
+        if [s.get("busy_s") for s in now["stages"]] != [s.get("busy_s") for s in last["stages"]]:
             last, same_since = now, time.perf_counter()
         elif time.perf_counter() - same_since >= settle_s:
             break
     return last
 
 
-def busy_fractions(before: list[dict] | None, after: list[dict] | None, wall_s: float) -> dict[str, Any]:
+def busy_fractions(before: dict | None, after: dict | None, wall_s: float) -> dict[str, Any]:
     """`stage_busy`: each stage's share of the level's wall time spent computing steps ("0.93 0.88"), and
-    `bubble`: 1 - their mean (the pipeline's idle share); None when the server does not report stage time.
-    The counters are read settled (`stage_time`), before and after the level."""
-    if not before or not after or len(before) != len(after) or wall_s <= 0:
+    `bubble`: 1 - their sum / the groups of steps the server computes at once (pool/pipeline.py rule 5: S for
+    pipelined stages, their mean; 1 for stages in turns, their sum), the share of the time the compute idled;
+    None when the server does not report stage time. The counters are read settled (`stage_time`), before and
+    after the level."""
+    if not before or not after or len(before["stages"]) != len(after["stages"]) or wall_s <= 0:
         return {"stage_busy": None, "bubble": None}
-    fractions = [max(0.0, (a["busy_s"] - b["busy_s"]) / wall_s) for b, a in zip(before, after)]
+    fractions = [max(0.0, (a["busy_s"] - b["busy_s"]) / wall_s) for b, a in zip(before["stages"], after["stages"])]
+    groups = after.get("groups") or len(fractions)
     return {"stage_busy": " ".join(f"{f:.2f}" for f in fractions),
-            "bubble": round(1 - sum(fractions) / len(fractions), 3)}
+            "bubble": round(1 - sum(fractions) / groups, 3)}
 
 
 async def appended_turn(client: httpx.AsyncClient, cfg: ServeConfig, rng: random.Random, words_per_token: float,

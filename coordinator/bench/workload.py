@@ -25,7 +25,8 @@ What is reported (workload_stats), from the client's side of HTTP; every request
     latency     send to the end of the stream (end to end), mean/p50/p90/p99
     out_tok_s   output tokens / makespan
     stage_busy  a Strata server's stages: each one's share of the makespan spent computing steps, and bubble =
-                1 - their mean (serve.py's busy_fractions; None from a server without Strata's /metrics)
+                1 - their sum / the steps computed at once (their mean when pipelined, their sum in turns:
+                serve.py's busy_fractions; None from a server without Strata's /metrics)
 Percentiles are report.percentile's (linear between closest ranks); a failed request (an HTTP error, an error
 in the stream, no token) is counted and left out of the times and tokens.
 """

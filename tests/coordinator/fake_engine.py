@@ -135,6 +135,7 @@ class FakeEngine:
             "counters": {**self.counters, "refusals": dict(self.counters["refusals"])},
             "kv_window": [dict(w) for w in self.kv_window],
             "stages": [dict(st) for st in STAGES],
+            "pipeline_groups": 2,
         }
 
     def health(self) -> dict:

@@ -371,17 +371,22 @@ def test_peers_config_splits_layers_and_threads() -> None:
     cfg = strata_config("/m", n_stages=2, n_layers=12, threads=2, port=1234, max_context=300, parallel=4,
                         root=Path("/run/x"))
     assert [s["layers"] for s in cfg["stages"]] == [[0, 6], [6, 12]]
-    assert cfg["engine"]["threads"] == 1 and cfg["engine"]["max_context"] == 512  # whole chunks of 256
+    assert cfg["engine"]["threads"] == 2 and cfg["engine"]["max_context"] == 512  # in turns: the whole budget
+    piped = strata_config("/m", n_stages=2, n_layers=12, threads=2, port=1234, max_context=300, parallel=4,
+                          root=Path("/run/x"), pipeline=True)
+    assert piped["engine"]["threads"] == 1 and piped["engine"]["pipeline"] is True  # pipelined: split
     assert cfg["engine"]["kv_pool_tokens"] == 4 * 512 and cfg["engine"]["prefill_chunk"] == 512
     assert cfg["coordinator"] == {"host": "127.0.0.1", "port": 1234}
     three = strata_config("/m", n_stages=3, n_layers=4, threads=4, port=1, max_context=16, parallel=1,
                           root=Path("/run/x"))
     assert [s["endpoint"] for s in three["stages"]] == ["ipc:///run/x/s0", "ipc:///run/x/s1", "ipc:///run/x/s2"]
     assert [s["layers"] for s in three["stages"]] == [[0, 1], [1, 3], [3, 4]]
-    assert three["engine"]["threads"] == 1 and three["engine"]["prefill_chunk"] == 256
+    assert three["engine"]["threads"] == 4 and three["engine"]["prefill_chunk"] == 256
     from pool.config import config_from_dict
 
-    config_from_dict(cfg)  # a config strata up accepts
+    from pool import pipeline
+
+    assert pipeline.turns(config_from_dict(cfg)) and not pipeline.turns(config_from_dict(piped))  # strata up takes both
 
 
 def test_peers_prompts_are_seeded_and_distinct() -> None:
@@ -404,10 +409,13 @@ def test_peers_argument_checks() -> None:
 def test_busy_fractions_from_the_stages_counters():
     from coordinator.bench.serve import busy_fractions
 
-    before = [{"stage": 0, "busy_s": 1.0}, {"stage": 1, "busy_s": 2.0}]
-    after = [{"stage": 0, "busy_s": 4.0}, {"stage": 1, "busy_s": 3.5}]
+    before = {"stages": [{"stage": 0, "busy_s": 1.0}, {"stage": 1, "busy_s": 2.0}], "groups": 2}
+    after = {"stages": [{"stage": 0, "busy_s": 4.0}, {"stage": 1, "busy_s": 3.5}], "groups": 2}
     assert busy_fractions(before, after, 4.0) == {"stage_busy": "0.75 0.38", "bubble": 0.438}
     assert busy_fractions(None, after, 4.0) == {"stage_busy": None, "bubble": None}  # not a Strata server
+    # stages in turns (pool/pipeline.py rule 5): one computes at a time, so the bubble is 1 - the sum
+    turns = {"stages": [{"stage": 0, "busy_s": 2.9}, {"stage": 1, "busy_s": 3.0}], "groups": 1}
+    assert busy_fractions(before, turns, 4.0)["bubble"] == 0.275
 
 
 def test_sse_lines_cut_at_cr_and_lf_only_across_reads() -> None:

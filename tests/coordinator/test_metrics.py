@@ -93,6 +93,7 @@ def test_values_from_requests_and_live_view(served):
     assert s[("strata:kv_pool_evictions_total", ())] == 3
     assert s[("strata:requests_truncated_total", ())] == 1
     assert s[("strata:decode_rows_chained_total", ())] == 5
+    assert s[("strata:pipeline_groups", ())] == 2
     # the engine's refusals plus the one the front decided (context_length_exceeded)
     assert s[("strata:requests_refused_total", (("code", "kv_pool_full"),))] == 2
     assert s[("strata:requests_refused_total", (("code", "context_length_exceeded"),))] == 1

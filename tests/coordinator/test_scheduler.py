@@ -15,6 +15,7 @@ import pytest
 from coordinator.engine import EngineError, Finished, GenRequest, TokenEvent
 from coordinator.link import StageDown, StepFailed
 from coordinator.scheduler import Scheduler
+from pool import pipeline
 from pool.chunk_map import TableMirror
 from pool.config import config_from_dict
 from pool.step_chain import CHAINED, Samples
@@ -44,6 +45,7 @@ class CellLink:
         self.unanswered: set[int] = set()  # steps sent whose answer has not come back
         self.chained = 0  # rows that read a token sampled by the step before
         self.refused: list[int] = []  # steps refused as a stage refuses them (StepFailed)
+        self.turns = pipeline.turns(cfg)  # stages in turns: one step computes at a time (pool/pipeline.py)
 
     def stage_hello(self, index: int) -> dict | None:
         return None  # no stage handshook: no vocabulary for grammars, no linear-attention state
@@ -102,6 +104,8 @@ class CellLink:
 
     def _compute(self, header: dict, tokens: list[int]) -> dict:
         assert header["version"] == self.mirror.version, "step ran against a stale table"
+        # pool/pipeline.py rule 4: in turns, a step sent beside one in flight waits for its samples (a chained row)
+        assert not (self.turns and self.unanswered) or header.get("chain"), "two steps computing at once in turns"
         self.steps += 1
         if header.get("chain"):
             # rule 2: only the oldest step in flight, which on a layer split has passed the first stage: none newer
@@ -174,18 +178,20 @@ async def solo(cfg, prompt, max_tokens=12):
         await sched.stop()
 
 
+@pytest.mark.parametrize("piped", [True, False])
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("pool", [True, False])
-async def test_concurrent_slots_match_solo_runs(pool, chain):
-    """Two stages: two slot groups in flight, and with chained steps (pool/step_chain.py) a third step that reads
-    the tokens of the oldest (CellLink asserts it names no other)."""
-    cfg = make_cfg(pool, chain_steps=chain)
+async def test_concurrent_slots_match_solo_runs(pool, chain, piped):
+    """Two stages: pipelined, two slot groups in flight; in turns, one (pool/pipeline.py); with chained steps
+    (pool/step_chain.py) one more step that reads the tokens of the oldest (CellLink asserts it names no other,
+    and in turns that it has a chained row)."""
+    cfg = make_cfg(pool, chain_steps=chain, pipeline=piped)
     alone = [await solo(make_cfg(pool, chain_steps=False), p) for p in prompts()]
     sched, link = await started(cfg, delay=0.001)
     together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
     assert [t for t, _ in together] == [t for t, _ in alone]
     assert all(f.completion_tokens == 12 and f.reason == "length" for _, f in together)
-    assert link.max_in_flight == 2 + chain
+    assert link.max_in_flight == (2 if piped else 1) + chain
     assert (link.chained > 10) == chain and sched.counters["chained"] == link.chained
     assert_pool_accounted(sched)
     await sched.stop()
@@ -389,7 +395,7 @@ class PieceLink(CellLink):
 async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
     """Scheduler rule 2: the next piece of a prompt is sent while the one before is in flight (two stages, two
     pieces in flight), contiguous, and the answer is the solo answer of a one-step-at-a-time run."""
-    cfg = make_cfg(True, parallel=1)
+    cfg = make_cfg(True, parallel=1, pipeline=True)
     prompt = list(range(300, 400))  # 100 tokens: four even pieces of 25 (prefill_pieces.py rule 1)
     alone = await solo(make_cfg(True, parallel=1, prefill_chunk=128, n_stages=1), prompt)  # one piece
     link = PieceLink(cfg)
@@ -412,7 +418,7 @@ async def test_one_long_prompt_keeps_both_stages_busy_with_its_pieces():
 async def test_pieces_beside_decoders_cost_about_the_same(n_stages, prompt_len, pieces):
     """coordinator/prefill_pieces.py: a prompt arriving while another request decodes is read in even pieces;
     the answers are the solo answers."""
-    cfg = make_cfg(True, n_stages=n_stages, parallel=2, prefill_chunk=32 if n_stages == 1 else 256)
+    cfg = make_cfg(True, n_stages=n_stages, parallel=2, prefill_chunk=32 if n_stages == 1 else 256, pipeline=True)
     first, second = list(range(300, 310)), list(range(500, 500 + prompt_len))
     alone = [await solo(cfg, p, max_tokens=m) for p, m in ((first, 40), (second, 4))]
     link = PieceLink(cfg)
@@ -435,7 +441,7 @@ async def test_a_prompt_ended_with_a_piece_in_flight_frees_its_slot_once(how):
     """A piece fails on a stage, or the link refuses the next piece, or the client goes, while a piece is in
     flight: the request ends once, the late piece's answer changes nothing, every step the job was in is
     counted back, and the pool's cells all come back."""
-    cfg = make_cfg(True, parallel=1)
+    cfg = make_cfg(True, parallel=1, pipeline=True)
     prompt = list(range(300, 400))
     link = PieceLink(cfg, fail_step=1 if how == "fail" else None, refuse_step=2 if how == "refused" else None)
     sched = Scheduler(cfg, link)
@@ -471,7 +477,7 @@ async def test_a_prefill_piece_joins_a_step_full_of_decoders():
     """Scheduler: the cap of ceil(active / S) slots per step counts decoders only. Three slots decode (cap 2 of 4
     active on 2 stages) when a long prompt arrives: a step carrying 2 decoders also carries a piece of it, and
     every answer is its solo answer."""
-    cfg = make_cfg(True, parallel=4)
+    cfg = make_cfg(True, parallel=4, pipeline=True)
     link = PieceLink(cfg)
     sched = Scheduler(cfg, link)
     await sched.start()
@@ -577,5 +583,37 @@ async def test_a_step_chained_on_a_failed_one_is_refused_and_the_loop_goes_on():
     out, _ = await run(sched, req(prompts()[1]))
     assert out == (await solo(cfg, prompts()[1]))[0]
     assert sched.in_flight == 0
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def test_stages_in_turns_send_one_step_at_a_time_with_every_decoder():
+    """pool/pipeline.py rules 1-2: two CPU stages on one machine take turns by default. One step is in flight,
+    it carries every decoding slot (one group), a prompt arriving beside them is read in the even pieces of one
+    stage, and every answer is its solo answer."""
+    cfg = make_cfg(True, parallel=4)
+    assert pipeline.turns(cfg) and pipeline.groups(cfg) == 1
+    assert not pipeline.turns(make_cfg(True, parallel=4, pipeline=True))
+    link = PieceLink(cfg)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    short = prompts()[:3]
+    runs = [asyncio.ensure_future(run(sched, req(p, max_tokens=40, rid=f"d{i}"))) for i, p in enumerate(short)]
+    for _ in range(2000):
+        if sum(1 for j in sched.jobs if j is not None and j.generated > 0) == 3:
+            break
+        await asyncio.sleep(0.001)
+    long_prompt = list(range(300, 400))  # 100 tokens, prefill_chunk 32: four even pieces of 25, as on one stage
+    first = len(link.sent)
+    runs.append(asyncio.ensure_future(run(sched, req(long_prompt, rid="long"))))
+    outs = await asyncio.gather(*runs)
+    later = link.sent[first:]
+    pieces = [row[1:3] for rows in later for row in rows if row[2] > 1]
+    assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]
+    decoding = [rows for rows in later if any(r[2] > 1 for r in rows)]
+    assert all(sum(1 for r in rows if r[2] == 1) == 3 for rows in decoding), decoding  # all three, every step
+    assert link.max_in_flight == 1 and link.overlaps == 0
+    for (out, _), prompt, n in zip(outs, [*short, long_prompt], [40, 40, 40, 12]):
+        assert out == (await solo(cfg, prompt, max_tokens=n))[0]
     assert_pool_accounted(sched)
     await sched.stop()

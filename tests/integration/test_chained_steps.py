@@ -1,6 +1,6 @@
 """Chained decode steps (pool/step_chain.py) over real processes: `strata up` with one CPU stage, which samples
-and embeds, and with two, where the last stage sends its samples to the first (the ring), behind the official
-`openai` client.
+and embeds, and with two, where the last stage sends its samples to the first (the ring), in turns and pipelined,
+behind the official `openai` client.
 
 The oracle is transformers' greedy continuation; concurrent requests are compared with their solo runs, and the
 coordinator's count of chained rows (`strata:decode_rows_chained`) shows the steps were chained. A refused
@@ -18,10 +18,13 @@ EARLY_EOS = [418, 442, 469, 411, 246, 346]  # greedy: 4 tokens, then an eos id (
 SEEDED = {"temperature": 1.0, "seed": 77, "extra_body": {"top_k": 40, "repetition_penalty": 1.2}}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-stage", "ring"])
+@pytest.fixture(scope="module", params=[(1, "auto"), (2, "auto"), (2, True)], ids=["one-stage", "ring", "ring-pipelined"])
 def server(strata_up, request):
-    return strata_up(n_stages=request.param, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64,
-                     chain_steps=True)
+    """Two CPU stages take turns by default (pool/pipeline.py): the ring's chained step then waits at stage 0 for
+    the samples of the one step in flight; pipelined, it joins two groups of slots in flight."""
+    n_stages, piped = request.param
+    return strata_up(n_stages=n_stages, max_context=1024, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64,
+                     chain_steps=True, pipeline=piped)
 
 
 @pytest.fixture(autouse=True)

@@ -55,6 +55,34 @@ def truncated(choice) -> bool:
     return (choice.model_extra or {})["truncated"]
 
 
+def test_pipelined_stages_answer_as_stages_in_turns(server, strata_up, model_dir):
+    """pool/pipeline.py: two CPU stages on one machine take turns by default (one step in flight, every decoder
+    in it); the same box with `engine.pipeline: true` keeps two groups of slots in flight. Four concurrent
+    requests, two of them read in pieces, get the same tokens from both, and transformers' greedy ones."""
+    piped = strata_up(max_context=2048, kv_pool_tokens=4096, chunk_cells=32, prefill_chunk=64, pipeline=True)
+    prompts = [[11 + 29 * i + k for k in range(n)] for i, n in enumerate((20, 75, 140, 45))]
+
+    def answers(srv) -> list[tuple[str, int]]:
+        client = srv.openai()
+
+        def run(prompt: list[int]) -> tuple[str, int]:
+            r = client.completions.create(model=srv.model, prompt=prompt, max_tokens=32, temperature=0)
+            return r.choices[0].text, r.usage.completion_tokens
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            out = list(pool.map(run, prompts))
+        srv.erase_all()
+        return out
+
+    assert server.live()["pipeline_groups"] == 1 and piped.live()["pipeline_groups"] == 2
+    turns, pipelined = answers(server), answers(piped)
+    assert pipelined == turns
+    for p, (text, n) in zip(prompts, turns):
+        tokens, want, _ = expected(model_dir, p, 32)
+        assert (text, n) == (want, len(tokens))
+    piped.check_clean()
+
+
 # ---- one request per route, streamed and not ---------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_text_and_exact_usage(server, model_dir, stream):
