@@ -213,8 +213,11 @@ class StageRunner:
         pool = f"pool file {self.memory.path}{' (pinned)' if self.pinned else ''}"
         if self.window is not None:
             pool += f", device window {self.window.n_frames} frames = {self.window.cells} cells"
+        compute = f"{torch.get_num_threads()} threads, " if self.device.type == "cpu" else ""
+        compute += "in turns" if pipeline.turns(self.cfg) else "pipelined" if len(self.cfg.stages) > 1 else "one stage"
         return (f"layers [{self.first}, {self.last}) of {self.ckpt.num_layers} on {self.device} "
-                f"({str(self.dtype).removeprefix('torch.')}, kv {self.kv_dtype}, {self.cfg.engine.n_chunks} chunks, {pool})")
+                f"({str(self.dtype).removeprefix('torch.')}, kv {self.kv_dtype}, {self.cfg.engine.n_chunks} chunks, "
+                f"{pool}; {compute})")
 
     def apply(self, op: list) -> None:
         """Apply one table op: the mirror (which refuses gaps), then device rows, then byte exchanges."""

@@ -18,7 +18,8 @@ EARLY_EOS = [418, 442, 469, 411, 246, 346]  # greedy: 4 tokens, then an eos id (
 SEEDED = {"temperature": 1.0, "seed": 77, "extra_body": {"top_k": 40, "repetition_penalty": 1.2}}
 
 
-@pytest.fixture(scope="module", params=[(1, "auto"), (2, "auto"), (2, True)], ids=["one-stage", "ring", "ring-pipelined"])
+@pytest.fixture(scope="module", params=[(1, "auto"), (2, "auto"), (2, True)],
+                ids=["one-stage", "ring", "ring-pipelined"])
 def server(strata_up, request):
     """Two CPU stages take turns by default (pool/pipeline.py): the ring's chained step then waits at stage 0 for
     the samples of the one step in flight; pipelined, it joins two groups of slots in flight."""
