@@ -40,7 +40,7 @@ def live_metrics(sched: Scheduler) -> dict:
         "counters": {**sched.counters, **sched.cache.counters, "refusals": dict(sched.counters["refusals"])},
         "kv_window": kv_window(sched),
         "stages": stage_time(sched),
-        "pipeline_groups": sched.groups,  # steps computed at once (pool/pipeline.py rule 5)
+        "pipeline_groups": sched.groups,  # steps computed at once (pool/pipeline.py rule 6)
     }
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -64,7 +65,7 @@ from pool.logs import event, setup_logging
 
 from .compute import Compute
 from .ownership import Ownership
-from pool import step_chain
+from pool import pipeline, step_chain
 from pool.wire import (BYE, ERROR, HELLO, HIDDEN, LOAD, OPS, PING, PONG, SAMPLES, SAVE, STEP, WireError, decode,
                        encode)
 
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"strata-stage: {err}", file=sys.stderr)
         return 2
+    os.environ.update(pipeline.spin_env(cfg, args.device, os.environ))  # before torch loads OpenMP
     from .runner import StageRunner, resolve_model_dir
 
     if args.prepare:

@@ -236,8 +236,8 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return mixed_result(args, spec, rows, notes)
     notes += [
         f"prompts: {args.prompt_tokens} random token ids each (seeded), {args.output_tokens} tokens generated, "
-        f"greedy; thread budget {args.threads} for every peer (Strata: engine.threads split over its stages); "
-        "CPU",
+        f"greedy; thread budget {args.threads} for every peer (Strata: each stage in turns has all of it, "
+        "pipelined stages split it); CPU",
         "Strata and llama-server are measured over HTTP from the client (API, scheduler and stage hops included); "
         "transformers and llama.cpp around the call in-process; *_vs_hf / *_vs_llama / *_vs_ls are ratios against "
         "transformers / llama.cpp / llama-server at the same concurrency",
@@ -284,7 +284,7 @@ def mixed_result(args: argparse.Namespace, spec: WorkloadSpec, rows: list[dict[s
     notes += [
         f"mixed workload: {spec.describe()}; token-id prompts to /v1/completions, greedy, ignore_eos; every server "
         f"peer has {peer_slots(args, spec)} slots of {peer_cells(args, spec)} cells; thread budget {args.threads} "
-        "for every peer (Strata: engine.threads split over its stages); CPU",
+        "for every peer (Strata: each stage in turns has all of it, pipelined stages split it); CPU",
         "from the client over HTTP: tokens from the server's usage; makespan = first send to the end of the last "
         "stream; out_tok_s = output tokens / makespan; TTFT in ms, end-to-end latency (e2e) in s; *_vs_ls = the "
         "figure / llama-server's (for out_tok_s higher is better, for the times lower is)",

@@ -343,7 +343,7 @@ async def stage_time(client: httpx.AsyncClient, settle_s: float = SETTLE_S, limi
 
 def busy_fractions(before: dict | None, after: dict | None, wall_s: float) -> dict[str, Any]:
     """`stage_busy`: each stage's share of the level's wall time spent computing steps ("0.93 0.88"), and
-    `bubble`: 1 - their sum / the groups of steps the server computes at once (pool/pipeline.py rule 5: S for
+    `bubble`: 1 - their sum / the groups of steps the server computes at once (pool/pipeline.py rule 6: S for
     pipelined stages, their mean; 1 for stages in turns, their sum), the share of the time the compute idled;
     None when the server does not report stage time. The counters are read settled (`stage_time`), before and
     after the level."""

@@ -413,7 +413,7 @@ def test_busy_fractions_from_the_stages_counters():
     after = {"stages": [{"stage": 0, "busy_s": 4.0}, {"stage": 1, "busy_s": 3.5}], "groups": 2}
     assert busy_fractions(before, after, 4.0) == {"stage_busy": "0.75 0.38", "bubble": 0.438}
     assert busy_fractions(None, after, 4.0) == {"stage_busy": None, "bubble": None}  # not a Strata server
-    # stages in turns (pool/pipeline.py rule 5): one computes at a time, so the bubble is 1 - the sum
+    # stages in turns (pool/pipeline.py rule 6): one computes at a time, so the bubble is 1 - the sum
     turns = {"stages": [{"stage": 0, "busy_s": 2.9}, {"stage": 1, "busy_s": 3.0}], "groups": 1}
     assert busy_fractions(before, turns, 4.0)["bubble"] == 0.275
 

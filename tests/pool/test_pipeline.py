@@ -1,6 +1,8 @@
 """pool/pipeline.py: which boxes take turns and which pipeline, and how many groups the scheduler keeps."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pool import pipeline
@@ -41,3 +43,32 @@ def test_a_pipeline_value_that_is_neither_is_refused():
 
     with pytest.raises(ConfigError, match="engine.pipeline"):
         load_config(None, ["engine.pipeline=sometimes"])
+
+
+def test_cpu_stages_in_turns_spin_briefly_unless_the_environment_says_otherwise():
+    """Rule 5: libgomp's default spin after a step would hold the cores the next stage in turn needs."""
+    cfg = load_config(None)
+    assert pipeline.spin_env(cfg, 0, {}) == {"GOMP_SPINCOUNT": pipeline.SPIN_TURNS}
+    assert pipeline.spin_env(cfg, 1, {"PATH": "/bin"}) == {"GOMP_SPINCOUNT": pipeline.SPIN_TURNS}
+    assert pipeline.spin_env(cfg, 0, {"OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert pipeline.spin_env(cfg, 0, {"GOMP_SPINCOUNT": "300000"}) == {}
+    assert pipeline.spin_env(load_config(None, ["engine.pipeline=true"]), 0, {}) == {}  # own cores: as shipped
+    gpu = load_config(None, ["stages.0.device=cuda:0", "stages.1.device=cuda:1", "engine.pipeline=false"])
+    assert pipeline.spin_env(gpu, 0, {}) == {}
+
+
+def test_a_stage_process_in_turns_starts_with_the_short_spin(tmp_path):
+    """stages/server.py applies rule 5 before torch loads OpenMP: `--prepare` exits right after that point."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "box.yaml"
+    cfg.write_text("model: tiny\n")
+    probe = ("import os, sys; import stages.server as s; s.main(['--device', '0', '--config', sys.argv[1], "
+             "'--prepare']); print('SPIN', os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", probe, str(cfg)], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"SPIN {pipeline.SPIN_TURNS}" in out.stdout
