@@ -9,8 +9,8 @@ A step passes through every stage in order. With S stages the scheduler can keep
   CPU stages on one machine share its cores and its memory bus, so computing at once buys them nothing: a
   stage gets 1 / S of the cores, and S groups of decoders read every stage's weights S times per token where
   one group reads them once (a decode step is a read of the weights). Measured on two CPU stages of one
-  2-core machine (docs/BENCHMARKS.md, "Two CPU stages take turns"): the mixed workload's makespan was
-  0.66-0.68x of one stage's pipelined and ~0.9-1.0x in turns.
+  2-core machine (docs/BENCHMARKS.md, "Two CPU stages take turns"): over the mixed workload two stages kept
+  0.68-0.77x of one stage's throughput pipelined and 0.76-0.93x in turns.
 
 Rules:
 1. `engine.pipeline`: true pipelines, false takes turns; auto (the default) takes turns when there are several
