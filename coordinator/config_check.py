@@ -65,6 +65,7 @@ from pool.gguf_meta import int4_bytes
 from pool.layer_kinds import FLOAT32_HELD, FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
 from pool.memory import PoolLayout
+from pool import pipeline
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes, window_bytes
 
 GIB = 1 << 30
@@ -503,6 +504,17 @@ def _window_rule(cells: int | str) -> str:
     return "off on CPU stages; CUDA stages refuse it" if cells == 0 else "on every stage"
 
 
+def _pipeline_rule(cfg: Config) -> str:
+    """pool/pipeline.py rules 1-3, as this config resolves them."""
+    if len(cfg.stages) == 1:
+        return "one stage"
+    if pipeline.turns(cfg):
+        threads = f"engine.threads {cfg.engine.threads} each" if cfg.engine.threads else "all its machine's cores"
+        return f"in turns: one step in flight, every decoding slot in it, each stage computing it with {threads}"
+    return (f"pipelined: up to {len(cfg.stages)} steps in flight, the decoding slots in {len(cfg.stages)} groups, "
+            "every stage computing at once")
+
+
 def format_report(report: Report) -> str:
     """A table (stage, device, layers, weights, host pool, pool cells, window, device total), totals, the exact
     bytes per stage, notes, the resolved YAML."""
@@ -515,6 +527,7 @@ def format_report(report: Report) -> str:
         f"{e.n_chunks} chunks of {e.chunk_cells} cells + 1 trash chunk per stage, "
         f"KV {report.kv_dtype}, {report.bytes_per_cell} B per cell per layer",
         f"device window: engine.device_cells={e.device_cells} ({_window_rule(e.device_cells)})",
+        f"steps: engine.pipeline={e.pipeline} ({_pipeline_rule(report.config)})",
         "",
         f"{'stage':>5}  {'device':<8}  {'layers':<10}  {'weights GiB':>11}  {'pool GiB':>9}  {'pool cells':>10}  "
         f"{'window GiB':>10}  {'device GiB':>10}",

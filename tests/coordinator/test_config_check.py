@@ -225,6 +225,11 @@ def test_cpu_window_only_with_a_number(tiny: Path) -> None:
         assert (s.scratch_bytes, s.device_bytes, s.pinned) == (None, None, False)
     row = next(x for x in format_report(numbered).splitlines() if x.startswith("    1  cpu"))
     assert row.split()[-2:] == ["0.000023", "-"]
+    # pool/pipeline.py: two CPU stages on one machine take turns; a GPU stage beside a CPU one pipelines
+    assert "steps: engine.pipeline=auto (in turns: one step in flight, every decoding slot in it, each stage " \
+           "computing it with all its machine's cores)" in format_report(default)
+    mixed = check(config_from_dict(_on(tiny, ["cpu", "cuda:0"])))
+    assert "steps: engine.pipeline=auto (pipelined: up to 2 steps in flight" in format_report(mixed)
     assert check(config_from_dict(_cfg(tiny, [(0, 2), (2, 4)], device_cells=10_000))).stages[0].window_frames == 10
 
 
