@@ -478,6 +478,16 @@ async def test_a_prefill_piece_joins_a_step_full_of_decoders():
     active on 2 stages) when a long prompt arrives: a step carrying 2 decoders also carries a piece of it, and
     every answer is its solo answer."""
     cfg = make_cfg(True, parallel=4, pipeline=True)
+    sched, link, later = await decoders_then_a_long_prompt(cfg)
+    mixed = [rows for rows in later if sum(1 for r in rows if r[2] == 1) == 2 and any(r[2] > 1 for r in rows)]
+    assert mixed, later
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
+async def decoders_then_a_long_prompt(cfg) -> tuple[Scheduler, "PieceLink", list]:
+    """Three slots decode 40 tokens each when a 100-token prompt arrives; every answer is checked against its
+    solo run. (scheduler, link, the steps sent from the prompt's arrival on)."""
     link = PieceLink(cfg)
     sched = Scheduler(cfg, link)
     await sched.start()
@@ -491,13 +501,9 @@ async def test_a_prefill_piece_joins_a_step_full_of_decoders():
     first = len(link.sent)
     runs.append(asyncio.ensure_future(run(sched, req(long_prompt, rid="long"))))
     outs = await asyncio.gather(*runs)
-    mixed = [rows for rows in link.sent[first:] if sum(1 for r in rows if r[2] == 1) == 2
-             and any(r[2] > 1 for r in rows)]
-    assert mixed, link.sent[first:]
     for (out, _), prompt, n in zip(outs, [*short, long_prompt], [40, 40, 40, 12]):
         assert out == (await solo(cfg, prompt, max_tokens=n))[0]
-    assert_pool_accounted(sched)
-    await sched.stop()
+    return sched, link, link.sent[first:]
 
 
 # ---- chained decode steps (pool/step_chain.py), one stage ---------------------------------------------------
@@ -541,7 +547,9 @@ async def test_a_stop_token_read_by_a_chained_step_spends_one_step_and_the_turn_
     cfg = make_cfg(pool, n_stages=1, parallel=1)
     p = prompts()[1]
     want, _ = await solo(make_cfg(pool), p)
-    sched, link = await started(cfg, delay=0.001, serial=True)
+    # answers 10 ms apart: the chained step is always on the wire before the one it reads comes back, on a busy
+    # machine too (the count of chained rows below depends on it)
+    sched, link = await started(cfg, delay=0.01, serial=True)
     stop = GenRequest("s", list(p), 12, stop_token_ids=frozenset({want[4]}))
     out, fin = await run(sched, stop)
     assert out == want[:4] and fin.reason == "stop" and fin.completion_tokens == 4
@@ -594,26 +602,11 @@ async def test_stages_in_turns_send_one_step_at_a_time_with_every_decoder():
     cfg = make_cfg(True, parallel=4)
     assert pipeline.turns(cfg) and pipeline.groups(cfg) == 1
     assert not pipeline.turns(make_cfg(True, parallel=4, pipeline=True))
-    link = PieceLink(cfg)
-    sched = Scheduler(cfg, link)
-    await sched.start()
-    short = prompts()[:3]
-    runs = [asyncio.ensure_future(run(sched, req(p, max_tokens=40, rid=f"d{i}"))) for i, p in enumerate(short)]
-    for _ in range(2000):
-        if sum(1 for j in sched.jobs if j is not None and j.generated > 0) == 3:
-            break
-        await asyncio.sleep(0.001)
-    long_prompt = list(range(300, 400))  # 100 tokens, prefill_chunk 32: four even pieces of 25, as on one stage
-    first = len(link.sent)
-    runs.append(asyncio.ensure_future(run(sched, req(long_prompt, rid="long"))))
-    outs = await asyncio.gather(*runs)
-    later = link.sent[first:]
+    sched, link, later = await decoders_then_a_long_prompt(cfg)
     pieces = [row[1:3] for rows in later for row in rows if row[2] > 1]
-    assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]
+    assert pieces == [[0, 25], [25, 25], [50, 25], [75, 25]]  # prefill_chunk 32: the even split of one stage
     decoding = [rows for rows in later if any(r[2] > 1 for r in rows)]
     assert all(sum(1 for r in rows if r[2] == 1) == 3 for rows in decoding), decoding  # all three, every step
     assert link.max_in_flight == 1 and link.overlaps == 0
-    for (out, _), prompt, n in zip(outs, [*short, long_prompt], [40, 40, 40, 12]):
-        assert out == (await solo(cfg, prompt, max_tokens=n))[0]
     assert_pool_accounted(sched)
     await sched.stop()
