@@ -23,19 +23,24 @@ def test_peers_run_strata_and_transformers_on_one_checkpoint(tmp_path, arch):
 
 
 def test_peers_mixed_workload_on_two_stages_reports_each_stages_busy_share(tmp_path):
-    """The mixed workload against `strata up` on 2 stages: every request answered with all its tokens (usage),
-    each stage's busy share of the makespan from the stages' own counters, and the greedy check."""
+    """The mixed workload against `strata up` on 2 stages, in turns and pipelined: every request answered with all
+    its tokens (usage), each stage's busy share of the makespan from the stages' own counters, the bubble against
+    the steps computed at once, and the greedy check."""
     assert main(["peers", "--workload", "mixed", "--layers", "4", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                  "--intermediate", "128", "--prompt-tokens", "16", "--output-tokens", "6", "--requests", "8",
                  "--prompt-range", "8-200", "--output-range", "2-16", "--slots", "4", "--threads", "2",
-                 "--peers", "strata-2", "--out", str(tmp_path), "--no-plot"]) == 0
+                 "--peers", "strata-2,strata-2p", "--out", str(tmp_path), "--no-plot"]) == 0
     result = json.loads((tmp_path / "peers.json").read_text())
-    (row,) = result["rows"]
-    assert row["peer"] == "strata-2" and row["failed"] == 0 and row["short"] == 0, result["notes"]
-    busy = [float(f) for f in row["stage_busy"].split()]
-    assert len(busy) == 2 and all(0 < f <= 1.05 for f in busy), row
-    assert row["bubble"] == pytest.approx(1 - sum(busy) / 2, abs=0.01)
+    turns, piped = result["rows"]
+    for row, groups in ((turns, 1), (piped, 2)):  # in turns (pool/pipeline.py) one stage computes at a time
+        assert row["failed"] == 0 and row["short"] == 0, result["notes"]
+        busy = [float(f) for f in row["stage_busy"].split()]
+        assert len(busy) == 2 and all(0 < f <= 1.05 for f in busy), row
+        assert row["bubble"] == pytest.approx(1 - sum(busy) / groups, abs=0.01)
+    assert (turns["peer"], piped["peer"]) == ("strata-2", "strata-2p")
     assert "stage_busy" in result["columns"]
+    assert any("strata-2: 2 CPU stage(s), engine.pipeline auto, engine.threads 2 each" in n for n in result["notes"])
+    assert any("strata-2p: 2 CPU stage(s), engine.pipeline True, engine.threads 1 each" in n for n in result["notes"])
     assert any("greedy check: Strata's first 6 greedy tokens equal transformers'" in n for n in result["notes"]), \
         result["notes"]
 
