@@ -39,16 +39,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pool.endpoints import LOOPBACK_HOSTS, WILDCARD_HOSTS, tcp_host_port
+
 SPIN_TURNS = "10000"  # rule 5
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "*")
 
 
 def machine(endpoint: str) -> str:
     """Which machine an endpoint's stage runs on, as far as the config says: "local" or the tcp host."""
-    if not endpoint.startswith("tcp://"):
-        return "local"  # ipc:// and inproc:// are this machine's
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-    return "local" if host in LOCAL_HOSTS else host
+    hp = tcp_host_port(endpoint)
+    if hp is None or hp[0] in LOOPBACK_HOSTS or hp[0] in WILDCARD_HOSTS:
+        return "local"  # ipc:// is this machine's, and so is a loopback or wildcard tcp host
+    return hp[0]
 
 
 def turns(cfg: Any) -> bool:
