@@ -33,6 +33,9 @@ Rules:
    Intel Xeon (AVX-512, AMX) 2 rows (1 row padded to 4: 21.5 ms against 17.9 padded to 2, median of 6 rounds).
    Both keep a lone row's values those of a step of several. `STRATA_PACKED_MIN_ROWS=N` sets it instead (0
    turns padding off).
+7. Where stages/packed_rows.py can read a weight's packed memory (float32, AVX-512, oneDNN's panel layout checked
+   against the plain weight at packing), a product of at most its MAX_ROWS rows is computed there instead, at
+   the pace the weight streams from memory; rules 5-6 then serve only the weights it cannot read.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from stages import packed_rows
 
 PACK_ROWS = 512  # oneDNN's batch hint at packing; any row count multiplies
 PACKED = ("qkv.weight", "self_attn.o_proj.weight", "gate_up.weight", "mlp.down_proj.weight", "linear.in_proj",
@@ -132,6 +137,7 @@ class PackedLinear:
         self.device = weight.device
         self.nbytes = weight.numel() * weight.element_size()  # rule 4
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+        self.panels = packed_rows.panels(self.packed, weight)  # rule 7
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -139,6 +145,8 @@ class PackedLinear:
         if bias is not None and bias.dtype != self.dtype:
             bias = bias.to(self.dtype)
         rows = x.shape[0]
+        if self.panels is not None and x.dim() == 2 and 0 < rows <= packed_rows.MAX_ROWS:  # rule 7
+            return packed_rows.multiply(self.panels, x, bias)
         if x.dim() == 2 and rows < MIN_ROWS:  # rule 5
             out = torch.ops.mkldnn._linear_pointwise(_padded(x), self.packed, bias, "none", [], "")
             return out[:rows]
@@ -158,6 +166,12 @@ def tune(weights: list["PackedLinear"], rounds: int = 5) -> dict:
         _tuned = {"min_rows": chosen, "source": "environment"}
         return _tuned
     picked, total = [], 0
+    weights = [w for w in weights if w.panels is None]  # rule 7's weights are never padded
+    if not weights:
+        _tuned = {"min_rows": MIN_ROWS, "source": "packed rows", "max_rows": packed_rows.MAX_ROWS}
+        log.info("packed weights: products of up to %d rows read the packed memory (stages/packed_rows.py)",
+                 packed_rows.MAX_ROWS)
+        return _tuned
     for w in weights:
         if total >= TUNE_BYTES:
             break

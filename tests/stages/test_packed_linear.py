@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages import packed_linear
+from stages import packed_linear, packed_rows
 from stages.checkpoint import load_checkpoint
 from stages.model import StageModel
 from stages.packed_linear import PackedLinear, available, pack_layer
@@ -39,6 +39,7 @@ def test_fewer_rows_than_min_rows_give_the_values_of_a_min_rows_product(monkeypa
     the values it gets in a step of 4 (oneDNN's own 1-row kernel sums a 3072-long row in another order), with
     either count rule 6 may choose."""
     monkeypatch.setattr(packed_linear, "MIN_ROWS", min_rows)
+    monkeypatch.setattr(packed_rows, "MAX_ROWS", 0)  # rule 7 off: these rows go to oneDNN
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(768, 3072, generator=g), torch.randn(768, generator=g)
     x = torch.randn(4, 3072, generator=g)
@@ -52,6 +53,7 @@ def test_the_padding_buffer_is_reused_and_its_extra_rows_are_zeros(monkeypatch):
     """Rule 5: the padded input is one buffer per thread, width and row count; a call of fewer rows than the last
     zeroes the rows the last one wrote, and the buffer serves calls inside inference mode and outside it."""
     monkeypatch.setattr(packed_linear, "MIN_ROWS", 4)
+    monkeypatch.setattr(packed_rows, "MAX_ROWS", 0)  # rule 7 off: these rows go to oneDNN
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 80, generator=g)
     p = PackedLinear(w)
@@ -85,7 +87,7 @@ class Timed:
     """A stand-in weight for `tune`: a product costs `slow_s` when padded to `slow_rows`, nothing otherwise."""
 
     def __init__(self, nbytes: int, slow_rows: int, slow_s: float = 0.003) -> None:
-        self.nbytes, self.shape, self.dtype = nbytes, (8, 16), torch.float32
+        self.nbytes, self.shape, self.dtype, self.panels = nbytes, (8, 16), torch.float32, None
         self.slow_rows, self.slow_s, self.calls = slow_rows, slow_s, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,8 +124,14 @@ def test_tune_leaves_the_count_to_the_environment(untuned, monkeypatch):
     assert packed_linear.MIN_ROWS == 0 and w.calls == 0
 
 
-def test_a_cpu_stage_tunes_its_row_count_at_load(tmp_path, untuned):
-    """Rule 6 runs once the stage's weights are packed, over them (the runner's load)."""
+@pytest.mark.parametrize("panels", [True, False])
+def test_a_cpu_stage_tunes_its_row_count_at_load(tmp_path, untuned, monkeypatch, panels):
+    """Rule 6 runs once the stage's weights are packed, over them (the runner's load); with every weight read by
+    stages/packed_rows.py (rule 7) there is nothing to pad, and nothing is timed."""
+    if panels and not packed_rows.available():
+        pytest.skip(f"no packed-rows kernel here: {packed_rows.unavailable_reason()}")
+    if not panels:
+        monkeypatch.setattr(packed_rows, "panels", lambda packed, weight: None)
     from pool.config import config_from_dict
     from stages.runner import StageRunner
 
@@ -134,6 +142,11 @@ def test_a_cpu_stage_tunes_its_row_count_at_load(tmp_path, untuned):
     runner = StageRunner(cfg, 0, pool_path=tmp_path / "pool")
     try:
         tuned = packed_linear._tuned
+        if panels:
+            assert all(w.panels is not None for w in runner.model.packed_weights())
+            assert tuned == {"min_rows": packed_linear.MIN_ROWS, "source": "packed rows",
+                             "max_rows": packed_rows.MAX_ROWS}
+            return
         assert tuned is not None and tuned["source"] == "timed" and tuned["min_rows"] in packed_linear.TUNE_ROWS
         assert tuned["bytes"] == sum(w.nbytes for w in runner.model.packed_weights()) > 0
         assert packed_linear.MIN_ROWS == tuned["min_rows"]

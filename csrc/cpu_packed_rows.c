@@ -1,0 +1,97 @@
+/* A product of few rows read straight from a weight oneDNN has packed (stages/packed_rows.py).
+
+   oneDNN packs a float32 [N, K] weight for its AVX-512 matmul as panels of 64 output columns: panel p holds
+   columns 64p .. 64p + 63 for every k, k-major, `wp[p][k][c]` with k < Kp (K rounded up to 16) and N rounded up
+   to 64. stages/packed_rows.py checks that layout against the plain weight before any of it is read here.
+
+   y[m][n] = sum over k of x[m][k] * W[n][k] (+ bias[n]), for M <= MAX_ROWS rows of x [M, K] (contiguous). Each
+   output is one accumulator summed in k order by fused multiply-adds, so a row's values do not depend on how
+   many rows share the call. A step of few rows is bound by reading the weight: the panels are shared
+   statically by `threads` OpenMP threads (the libgomp torch has loaded), each streaming its panels once for up
+   to ROWS_PER_PASS rows (4 x ROWS_PER_PASS accumulators of 16 columns); more rows are taken ROWS_PER_PASS at a
+   time over K_BLOCK values of k, so the block of the panel they share is read from cache.
+
+   Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments
+   it refuses, -2 when built without AVX-512. */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ROWS 64
+#define PANEL 64
+#define ROWS_PER_PASS 6
+#define K_BLOCK 128
+
+int strata_packed_rows_isa(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* R rows of x (row stride ldx) times panel columns 0..63 over k in [k0, k1), the sums carried on from part (rows
+   of 64 floats; from zero when k0 is 0) and left there: every output's sum runs in k order, however K is cut. */
+#define PASS(R)                                                                                                   \
+    case R: {                                                                                                     \
+        __m512 acc[R][4];                                                                                         \
+        for (int m = 0; m < R; m++)                                                                               \
+            for (int b = 0; b < 4; b++)                                                                           \
+                acc[m][b] = k0 ? _mm512_load_ps(part + m * PANEL + 16 * b) : _mm512_setzero_ps();                 \
+        for (int64_t k = k0; k < k1; k++) {                                                                       \
+            const float *w = wp + k * PANEL;                                                                      \
+            const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32),         \
+                         w3 = _mm512_load_ps(w + 48);                                                             \
+            _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {                                                  \
+                const __m512 a = _mm512_set1_ps(x[m * ldx + k]);                                                  \
+                acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);                                                    \
+                acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);                                                    \
+                acc[m][2] = _mm512_fmadd_ps(a, w2, acc[m][2]);                                                    \
+                acc[m][3] = _mm512_fmadd_ps(a, w3, acc[m][3]);                                                    \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < R; m++)                                                                               \
+            for (int b = 0; b < 4; b++) _mm512_store_ps(part + m * PANEL + 16 * b, acc[m][b]);                    \
+        break;                                                                                                    \
+    }
+
+static void pass(const float *x, int64_t ldx, int rows, const float *wp, int64_t k0, int64_t k1, float *part) {
+    switch (rows) { PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) }
+}
+#endif
+
+int strata_packed_rows(const float *x, int64_t rows, int64_t k, const float *wp, int64_t n, int64_t kp,
+                       const float *bias, float *y, int threads) {
+#ifdef __AVX512F__
+    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || kp < k || kp % 16 || threads < 1 || ((uintptr_t)wp & 63))
+        return -1;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t block = rows <= ROWS_PER_PASS ? k : K_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float part[MAX_ROWS * PANEL] __attribute__((aligned(64)));
+        const float *w = wp + p * kp * PANEL;
+        for (int64_t k0 = 0; k0 < k; k0 += block) {
+            const int64_t k1 = k0 + block < k ? k0 + block : k;
+            for (int64_t m = 0; m < rows; m += ROWS_PER_PASS)
+                pass(x + m * k, k, (int)(rows - m < ROWS_PER_PASS ? rows - m : ROWS_PER_PASS), w, k0, k1,
+                     part + m * PANEL);
+        }
+        const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
+        for (int64_t m = 0; m < rows; m++) {
+            float *out = y + m * n + c0;
+            const float *q = part + m * PANEL;
+            if (bias)
+                for (int64_t c = 0; c < cols; c++) out[c] = q[c] + bias[c0 + c];
+            else
+                memcpy(out, q, cols * sizeof(float));
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)wp, (void)n, (void)kp, (void)bias, (void)y, (void)threads;
+    return -2;
+#endif
+}

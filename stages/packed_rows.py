@@ -1,0 +1,167 @@
+"""Few rows multiplied straight from a weight oneDNN has packed (csrc/cpu_packed_rows.c).
+
+A decode step of a CPU stage multiplies a few rows by every weight of the stage, so it is bound by reading the
+weights from memory. oneDNN's matmul reads a packed float32 weight for 1 to 4 rows at about half that pace: the
+104M qwen3's 49 products of one decode step, weights streamed from memory, 2 threads, AMD EPYC (AVX-512): 1 row
+23.1 ms through oneDNN (padded to 4 rows, stages/packed_linear.py rule 5), 11.5 ms here, which is the machine's
+read rate of those 415 MB (docs/BENCHMARKS.md, "Few rows straight from the packed weights"). Here the packed memory
+itself is read by a kernel that streams each panel once for all the rows of the step: no second copy of a weight.
+
+Rules:
+1. Only for float32 weights packed by stages/packed_linear.py, on a CPU with AVX-512, where oneDNN's packed memory
+   has the layout the kernel reads: panels of 64 output columns, k-major, N rounded up to 64 and K to 16. That
+   layout is checked once per process on seeded weights (with the kernel's products against F.linear for 1 to
+   MAX_ROWS rows), and again for every weight at packing, its size and its whole memory against the plain
+   weight (`panels`), so a weight oneDNN laid out otherwise keeps oneDNN for all of its products.
+2. A product of at most MAX_ROWS rows (a decode step) is computed here; one of more rows (a prefill piece) by
+   oneDNN, which multiplies many rows faster from the same memory.
+3. Each output is one sum in k order, so a row's values do not depend on the other rows of a step of up to
+   MAX_ROWS rows (no padding to a row count, packed_linear's rule 5, is needed); a step of more rows gets
+   oneDNN's rounding, which differs from it by float32 rounding.
+4. The panels are shared statically by torch's threads (`torch.get_num_threads()`, the libgomp torch loaded).
+5. The library is compiled, cached, trusted and checked by the rules of stages/cpu_build.py; a failure leaves
+   `available()` False with `unavailable_reason()` and oneDNN multiplies every row. `STRATA_CPU_KERNELS=0` turns
+   it off; `STRATA_PACKED_ROWS=N` sets MAX_ROWS (0 turns it off, at most LIMIT_ROWS).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from stages import cpu_build
+from stages.cpu_build import KernelRefused
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_packed_rows.c"
+PANEL = 64  # output columns per panel (PANEL in the source)
+K_ALIGN = 16  # K rounded up to this in a panel
+LIMIT_ROWS = 64  # MAX_ROWS in the source: the most rows one call takes
+DEFAULT_ROWS = 8  # rule 2 (1-8 rows: 1.1-2x oneDNN's pace on the machine above; 12 and more: not faster)
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {"strata_packed_rows": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_isa": []}
+
+
+def _max_rows() -> int:
+    raw = os.environ.get("STRATA_PACKED_ROWS")
+    if raw is None:
+        return DEFAULT_ROWS
+    if not raw.strip().isdigit() or int(raw) > LIMIT_ROWS:
+        raise ValueError(f"STRATA_PACKED_ROWS must be a whole number of rows from 0 (off) to {LIMIT_ROWS}, "
+                         f"got {raw!r}")
+    return int(raw)
+
+
+MAX_ROWS = _max_rows()
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A packed weight's memory in rule 1's layout: `packed` (kept alive here) at `address`, [n, k], k padded to kp."""
+    packed: torch.Tensor
+    address: int
+    n: int
+    k: int
+    kp: int
+
+
+def build() -> Path:
+    return cpu_build.build(SOURCE, "cpu_packed_rows")
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[dict[str, object] | None, str | None]:
+    """({name: function}, None), or (None, why not): built, loaded and checked once per process."""
+    if MAX_ROWS == 0:
+        return None, "STRATA_PACKED_ROWS=0"
+    return cpu_build.load(build, _SIGNATURES, _self_check, "Packed-rows kernel")
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    return _library()[1]
+
+
+def _memory(packed: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of an opaque oneDNN tensor's memory."""
+    return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+
+
+def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
+    """Rule 1's check of one weight: `packed`'s memory is `weight` in panels, else None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or getattr(packed, "layout", None) != torch._mkldnn:
+        return None
+    n, k = weight.shape
+    kp, np_ = -(-k // K_ALIGN) * K_ALIGN, -(-n // PANEL) * PANEL
+    try:
+        address, nbytes = _memory(packed)
+    except (AttributeError, RuntimeError):  # a torch without these ops
+        return None
+    if nbytes != np_ * kp * 4 or address % 64:
+        return None
+    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.float32)
+    raw = raw.view(np_ // PANEL, kp, PANEL)
+    full = n // PANEL
+    weight = weight.detach()
+    same = torch.equal(raw[:full, :k], weight[:full * PANEL].view(full, PANEL, k).transpose(1, 2))
+    if same and n % PANEL:
+        same = torch.equal(raw[full, :k, :n % PANEL], weight[full * PANEL:].t())
+    return Panels(packed, address, n, k, kp) if same else None
+
+
+def panels(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
+    """Rule 1: `packed` (oneDNN's packing of `weight`) as the kernel reads it, or None where it cannot."""
+    if weight.dtype != torch.float32 or not available():
+        return None
+    return _layout(packed, weight)
+
+
+def multiply(p: Panels, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, k] float32 times the packed weight (+ bias [n]) -> [rows, n] (rules 2-4)."""
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    out = torch.empty(x.shape[0], p.n, dtype=torch.float32)
+    rc = _library()[0]["strata_packed_rows"](x.data_ptr(), x.shape[0], p.k, p.address, p.n, p.kp,
+                                             None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                             torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"strata_packed_rows refused a product of {x.shape[0]} rows by [{p.n}, {p.k}] ({rc})")
+    return out
+
+
+def _self_check(fns: dict[str, object]) -> None:
+    """Rule 1: oneDNN's layout here, and the kernel's products against F.linear, on seeded weights."""
+    from stages.packed_linear import PACK_ROWS, _ops_present
+
+    if fns["strata_packed_rows_isa"]() != 512:
+        raise KernelRefused("this CPU has no AVX-512 (oneDNN's other layouts are not read here)")
+    if not _ops_present():
+        raise KernelRefused("torch has no oneDNN linear ops")
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for n, k in ((64, 64), (80, 96), (130, 200)):
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            p = _layout(packed, w)
+            if p is None:
+                raise KernelRefused(f"oneDNN does not pack a float32 [{n}, {k}] weight here as {PANEL}-column panels")
+            for rows in sorted({1, 2, 5, 7, MAX_ROWS}):
+                x = torch.randn(rows, k, generator=g)
+                out = torch.empty(rows, n)
+                if fns["strata_packed_rows"](x.data_ptr(), rows, k, p.address, n, p.kp, b.data_ptr(), out.data_ptr(),
+                                             threads) != 0:
+                    raise KernelRefused(f"strata_packed_rows refused {rows} rows of [{n}, {k}]")
+                want = F.linear(x.double(), w.double(), b.double())
+                if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-4):
+                    raise KernelRefused(f"strata_packed_rows disagrees with F.linear by "
+                                        f"{(out.double() - want).abs().max().item():.2e}")

@@ -1,0 +1,148 @@
+"""stages/packed_rows.py: few rows multiplied straight from oneDNN's packed memory give F.linear's values (rules
+1-3), only where the memory has the checked layout, only up to MAX_ROWS rows, and the stage that uses it still
+gives transformers' logits (the oracle tests of test_packed_linear and test_model_vs_transformers run it)."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import packed_linear, packed_rows
+from stages.checkpoint import load_checkpoint
+from stages.model import StageModel
+from stages.packed_linear import PackedLinear
+from stages.quant_linear import linear
+from stages.tiny import make_tiny_model
+
+needs_kernel = pytest.mark.skipif(not packed_rows.available(),
+                                  reason=f"no packed-rows kernel here: {packed_rows.unavailable_reason()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(200, 96), (64, 64), (1280, 770), (768, 3072)])
+def test_few_rows_from_the_packed_memory_are_f_linear(shape):
+    """Rules 1-2: N and K that are not whole panels too, with and without a bias, 1 to MAX_ROWS rows."""
+    g = torch.Generator().manual_seed(shape[0])
+    w, b = torch.randn(*shape, generator=g) / shape[1] ** 0.5, torch.randn(shape[0], generator=g)
+    p = PackedLinear(w)
+    assert p.panels is not None and (p.panels.n, p.panels.k) == shape
+    for rows in range(1, packed_rows.MAX_ROWS + 1):
+        x = torch.randn(rows, shape[1], generator=g)
+        want = F.linear(x.double(), w.double(), b.double())
+        with torch.inference_mode():
+            for bias in (b, None):
+                got = linear(x, p, bias)
+                ref = want if bias is not None else want - b.double()
+                assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+                torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_has_the_same_values_whatever_the_other_rows_of_its_step():
+    """Rule 3: one sum per output in k order, so row 0 of a step of 1 to MAX_ROWS rows is the same bits."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(640, 3072, generator=g)
+    p = PackedLinear(w)
+    x = torch.randn(packed_rows.MAX_ROWS, 3072, generator=g)
+    with torch.inference_mode():
+        alone = linear(x[:1], p)
+        for rows in range(2, packed_rows.MAX_ROWS + 1):
+            step = linear(x[:rows], p)
+            assert torch.equal(step[:1], alone), rows
+            assert torch.equal(step[rows - 1:rows], linear(x[rows - 1:rows], p)), rows
+
+
+@needs_kernel
+def test_more_rows_than_max_rows_go_to_onednn(monkeypatch):
+    """Rule 2: a prefill piece is oneDNN's product; a decode step is the kernel's."""
+    calls = []
+    real = packed_rows.multiply
+    monkeypatch.setattr(packed_rows, "multiply", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 64, generator=g)
+    p = PackedLinear(w)
+    for rows in (1, packed_rows.MAX_ROWS, packed_rows.MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(linear(x, p).double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-4)
+    assert calls == [1, packed_rows.MAX_ROWS]
+
+
+@needs_kernel
+def test_memory_that_is_not_the_weight_in_panels_is_not_read():
+    """Rule 1: the whole packed memory is compared with the plain weight; one value off, a wrong shape or a
+    bfloat16 weight leaves the weight to oneDNN."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 80, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_ROWS)
+    assert packed_rows.panels(packed, w) is not None
+    other = w.clone()
+    other[99, 79] += 1.0  # the last value of the last, partial panel
+    assert packed_rows.panels(packed, other) is None
+    other = w.clone()
+    other[0, 0] += 1.0
+    assert packed_rows.panels(packed, other) is None
+    assert packed_rows.panels(packed, w[:, :64].contiguous()) is None  # another size than the memory's
+    assert packed_rows.panels(packed, w.bfloat16()) is None
+    assert packed_rows.panels(w, w) is None  # a plain tensor is not oneDNN's memory
+    bf = PackedLinear(w.bfloat16())
+    assert bf.panels is None
+
+
+@needs_kernel
+def test_every_float_weight_of_a_cpu_stage_is_read_from_its_panels(tmp_path):
+    """Rule 1 at packing: oneDNN lays out each weight a step multiplies (the lm_head too) as the kernel reads."""
+    ckpt = load_checkpoint(make_tiny_model(tmp_path / "m", arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2))
+    model = StageModel(ckpt, 0, 2)
+    weights = model.packed_weights()
+    assert weights and all(w.panels is not None for w in weights)
+
+
+def test_the_row_count_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("STRATA_PACKED_ROWS", "0")
+    assert packed_rows._max_rows() == 0
+    monkeypatch.setenv("STRATA_PACKED_ROWS", "12")
+    assert packed_rows._max_rows() == 12
+    monkeypatch.delenv("STRATA_PACKED_ROWS")
+    assert packed_rows._max_rows() == packed_rows.DEFAULT_ROWS
+    for bad in ("eight", "65", "-1"):
+        monkeypatch.setenv("STRATA_PACKED_ROWS", bad)
+        with pytest.raises(ValueError, match="STRATA_PACKED_ROWS must be a whole number"):
+            packed_rows._max_rows()
+
+
+@pytest.mark.parametrize("env", [{"STRATA_CPU_KERNELS": "0"}, {"STRATA_PACKED_ROWS": "0"}])
+def test_turned_off_every_row_goes_to_onednn(monkeypatch, env):
+    """Rule 5: either switch leaves the library unloaded and every weight without panels."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(packed_rows, "MAX_ROWS", packed_rows._max_rows())
+    packed_rows._library.cache_clear()
+    try:
+        assert not packed_rows.available() and packed_rows.unavailable_reason() == next(
+            f"{k}={v}" for k, v in env.items())
+        w = torch.randn(64, 32)
+        p = PackedLinear(w)
+        assert p.panels is None
+        x = torch.randn(1, 32)
+        torch.testing.assert_close(linear(x, p).double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-4)
+    finally:
+        packed_rows._library.cache_clear()
+
+
+def test_a_kernel_that_disagrees_with_f_linear_is_refused(monkeypatch):
+    """Rule 5: the first-use check runs the kernel; one that sums wrong leaves it unavailable, with the reason."""
+    if not packed_rows.available():
+        pytest.skip(f"no packed-rows kernel here: {packed_rows.unavailable_reason()}")
+    fns = dict(packed_rows._library()[0])
+    good = fns["strata_packed_rows"]
+
+    def off_by_one(x, rows, k, address, n, kp, bias, out, threads):
+        rc = good(x, rows, k, address, n, kp, bias, out, threads)
+        torch.frombuffer((ctypes.c_float * 1).from_address(out), dtype=torch.float32)[0] += 1.0
+        return rc
+
+    fns["strata_packed_rows"] = off_by_one
+    with pytest.raises(packed_rows.KernelRefused, match="disagrees with F.linear"):
+        packed_rows._self_check(fns)
