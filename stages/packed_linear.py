@@ -36,6 +36,8 @@ Rules:
 7. Where stages/packed_rows.py can read a weight's packed memory (float32, AVX-512, oneDNN's panel layout checked
    against the plain weight at packing), a product of at most its MAX_ROWS rows is computed there instead, at
    the pace the weight streams from memory; rules 5-6 then serve only the weights it cannot read.
+8. The packed memory is put into 2 MiB pages where the system allows (stages/huge_pages.py), so streaming it
+   walks few TLB entries: `huge` is the bytes collapsed at packing, `memory` the (address, bytes) it holds.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from stages import packed_rows
+from stages import huge_pages, packed_rows
 
 PACK_ROWS = 512  # oneDNN's batch hint at packing; any row count multiplies
 PACKED = ("qkv.weight", "self_attn.o_proj.weight", "gate_up.weight", "mlp.down_proj.weight", "linear.in_proj",
@@ -138,6 +140,11 @@ class PackedLinear:
         self.nbytes = weight.numel() * weight.element_size()  # rule 4
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self.panels = packed_rows.panels(self.packed, weight)  # rule 7
+        try:
+            self.memory = packed_rows.memory(self.packed)
+        except (AttributeError, RuntimeError):  # a torch without these ops
+            self.memory = None
+        self.huge = huge_pages.advise(*self.memory) if self.memory else 0  # rule 8
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -151,6 +158,16 @@ class PackedLinear:
             out = torch.ops.mkldnn._linear_pointwise(_padded(x), self.packed, bias, "none", [], "")
             return out[:rows]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def huge_resident(weights: list["PackedLinear"]) -> tuple[int, int]:
+    """Rule 8, read back: (bytes of `weights`' packed memory in huge pages now, their bytes in all), logged."""
+    ranges = [w.memory for w in weights if w.memory]
+    held, total = huge_pages.resident(ranges), sum(n for _, n in ranges)
+    if total:
+        log.info("packed weights: %.0f of %.0f MiB in 2 MiB pages (stages/huge_pages.py%s)", held / 2**20,
+                 total / 2**20, "" if huge_pages.enabled() else "; STRATA_HUGE_PAGES=0")
+    return held, total
 
 
 def tune(weights: list["PackedLinear"], rounds: int = 5) -> dict:

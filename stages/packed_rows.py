@@ -90,7 +90,7 @@ def unavailable_reason() -> str | None:
     return _library()[1]
 
 
-def _memory(packed: torch.Tensor) -> tuple[int, int]:
+def memory(packed: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of an opaque oneDNN tensor's memory."""
     return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
 
@@ -102,7 +102,7 @@ def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
     n, k = weight.shape
     kp, np_ = -(-k // K_ALIGN) * K_ALIGN, -(-n // PANEL) * PANEL
     try:
-        address, nbytes = _memory(packed)
+        address, nbytes = memory(packed)
     except (AttributeError, RuntimeError):  # a torch without these ops
         return None
     if nbytes != np_ * kp * 4 or address % 64:
