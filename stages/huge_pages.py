@@ -1,8 +1,7 @@
 """A CPU stage's packed weights in 2 MiB pages (Linux transparent huge pages).
 
 A decode step streams every weight of the stage from memory once. In 4 KiB pages that is one TLB entry per 4 KiB
-read (100,000 for the 104M qwen3's 415 MB), each a page walk once the TLB has cycled, and the CPU's prefetchers
-stop at every 4 KiB page boundary; in 2 MiB pages, 200. Measured on the 48 products of one decode step of that
+read (100,000 for the 104M qwen3's 415 MB), each a page walk once the TLB has cycled; in 2 MiB pages, 200. Measured on the 48 products of one decode step of that
 model, one process holding the same weights twice, one copy collapsed into huge pages, interleaved rounds:
 1 row 5-12% faster, 8 rows 4-7% (docs/BENCHMARKS.md, "Few rows straight from the packed weights").
 

@@ -140,10 +140,7 @@ class PackedLinear:
         self.nbytes = weight.numel() * weight.element_size()  # rule 4
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         self.panels = packed_rows.panels(self.packed, weight)  # rule 7
-        try:
-            self.memory = packed_rows.memory(self.packed)
-        except (AttributeError, RuntimeError):  # a torch without these ops
-            self.memory = None
+        self.memory = packed_rows.memory(self.packed)
         self.huge = huge_pages.advise(*self.memory) if self.memory else 0  # rule 8
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

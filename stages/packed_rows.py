@@ -90,9 +90,12 @@ def unavailable_reason() -> str | None:
     return _library()[1]
 
 
-def memory(packed: torch.Tensor) -> tuple[int, int]:
-    """(address, bytes) of an opaque oneDNN tensor's memory."""
-    return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+def memory(packed: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of an opaque oneDNN tensor's memory, or None with a torch that cannot tell."""
+    try:
+        return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    except (AttributeError, RuntimeError):  # a torch without these ops
+        return None
 
 
 def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
@@ -101,10 +104,10 @@ def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
         return None
     n, k = weight.shape
     kp, np_ = -(-k // K_ALIGN) * K_ALIGN, -(-n // PANEL) * PANEL
-    try:
-        address, nbytes = memory(packed)
-    except (AttributeError, RuntimeError):  # a torch without these ops
+    held = memory(packed)
+    if held is None:
         return None
+    address, nbytes = held
     if nbytes != np_ * kp * 4 or address % 64:
         return None
     raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.float32)

@@ -140,8 +140,9 @@ class StageRunner:
             cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
             cpu_ops.available()  # the same for the layer ops (its rule 4)
         if self.device.type == "cpu":
-            packed_linear.tune(self.model.packed_weights())  # its rule 6: how few rows run padded, on this CPU
-            packed_linear.huge_resident(self.model.packed_weights())  # its rule 8, read back and logged
+            packed = self.model.packed_weights()
+            packed_linear.tune(packed)  # its rule 6: how few rows run padded, on this CPU
+            packed_linear.huge_resident(packed)  # its rule 8, read back and logged
         # Linear-attention layers (stages/state_pool.py): entries the step header names per row (`states`; the
         # coordinator's coordinator/linear_state.py), by default the slot's own.
         self.state = self.model.new_state_pool(e.n_state_entries + e.n_state_checkpoints,
