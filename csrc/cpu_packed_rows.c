@@ -11,6 +11,12 @@
    to ROWS_PER_PASS rows (4 x ROWS_PER_PASS accumulators of 16 columns); more rows are taken ROWS_PER_PASS at a
    time over K_BLOCK values of k, so the block of the panel they share is read from cache.
 
+   A panel read once (up to ROWS_PER_PASS rows) is prefetched PREFETCH_K values of k ahead as non-temporal
+   (prefetchnta), so the weights streamed through do not evict what the rest of the step keeps in the caches (the
+   layer's activations, the pool's rows, the interpreter): a 1-row step of the 104M qwen3 ~6% faster, the
+   products alone as fast. A panel read again for more rows is left to the hardware prefetcher, since a
+   non-temporal line may be gone before the second pass.
+
    Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments
    it refuses, -2 when built without AVX-512. */
 #include <stdint.h>
@@ -20,6 +26,7 @@
 #define PANEL 64
 #define ROWS_PER_PASS 6
 #define K_BLOCK 128
+#define PREFETCH_K 16
 
 int strata_packed_rows_isa(void) {
 #ifdef __AVX512F__
@@ -42,6 +49,12 @@ int strata_packed_rows_isa(void) {
                 acc[m][b] = k0 ? _mm512_load_ps(part + m * PANEL + 16 * b) : _mm512_setzero_ps();                 \
         for (int64_t k = k0; k < k1; k++) {                                                                       \
             const float *w = wp + k * PANEL;                                                                      \
+            if (nta) {                                                                                            \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL), _MM_HINT_NTA);                                       \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 16), _MM_HINT_NTA);                                  \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 32), _MM_HINT_NTA);                                  \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 48), _MM_HINT_NTA);                                  \
+            }                                                                                                     \
             const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32),         \
                          w3 = _mm512_load_ps(w + 48);                                                             \
             _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {                                                  \
@@ -57,7 +70,8 @@ int strata_packed_rows_isa(void) {
         break;                                                                                                    \
     }
 
-static void pass(const float *x, int64_t ldx, int rows, const float *wp, int64_t k0, int64_t k1, float *part) {
+static void pass(const float *x, int64_t ldx, int rows, const float *wp, int64_t k0, int64_t k1, float *part,
+                 int nta) {
     switch (rows) { PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) }
 }
 #endif
@@ -77,7 +91,7 @@ int strata_packed_rows(const float *x, int64_t rows, int64_t k, const float *wp,
             const int64_t k1 = k0 + block < k ? k0 + block : k;
             for (int64_t m = 0; m < rows; m += ROWS_PER_PASS)
                 pass(x + m * k, k, (int)(rows - m < ROWS_PER_PASS ? rows - m : ROWS_PER_PASS), w, k0, k1,
-                     part + m * PANEL);
+                     part + m * PANEL, block == k);
         }
         const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
         for (int64_t m = 0; m < rows; m++) {
