@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages import cpu_ops
+from stages import cpu_ops, decode_layer
 from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
@@ -238,6 +238,7 @@ class StageModel:
         self._rope_cos: torch.Tensor | None = None  # [positions, head_dim] in the model dtype
         self._rope_sin: torch.Tensor | None = None
         self.cpu_ops = self.device.type == "cpu" and self.dtype == torch.float32  # stages/cpu_ops.py, its rule 1
+        self._decode_layers: list[decode_layer.Layer | None] | None = None  # stages/decode_layer.py, made at first use
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
         if self.spec.gated and self.norm is not None:
@@ -404,14 +405,33 @@ class StageModel:
         cos, sin = self._cos_sin(batch)
         if state is not None and self.num_linear_layers:
             state.begin(batch)
+        fused = self._decode_step(batch, kv, cos, sin)
         for local, layer in enumerate(self.layers):
-            h = self._layer(local, layer, h, cos, sin, batch, kv, state)
+            one = fused and self._decode_layers[local]
+            if one:
+                h = fused.run(one, self.kv_layers[local], self.sliding_windows[local], h)
+            else:
+                h = self._layer(local, layer, h, cos, sin, batch, kv, state)
         if state is not None and self.num_linear_layers:
             state.commit(batch)
         if not self.is_last:
             return h
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
         return linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    def _decode_step(self, batch: StepBatch, kv: KVCache | StepView, cos: torch.Tensor,
+                     sin: torch.Tensor) -> decode_layer.Step | None:
+        """The step's arguments to stages/decode_layer.py's one call per dense layer, or None where its rule 1
+        keeps the Python path (the layers it takes are found at the first such step)."""
+        s = self.spec
+        if not (self.cpu_ops and self.layers and not s.gated):
+            return None
+        step = decode_layer.Step.of(batch, kv, cos, sin, s.hidden_size, s.num_heads, s.rms_norm_eps, self.scale)
+        if step is not None and self._decode_layers is None:
+            self._decode_layers = [None if self.linear_layers[i] is not None else
+                                   decode_layer.Layer.of(w, s.hidden_size, s.head_dim)
+                                   for i, w in enumerate(self.layers)]
+        return step
 
     def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[T, head_dim]` of the step's positions: rows of the table (built as `Rope.cos_sin` builds

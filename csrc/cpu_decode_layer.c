@@ -1,0 +1,89 @@
+/* A dense decoder layer of a CPU stage over a step of decode rows, in one call (stages/decode_layer.py).
+
+   The layer of stages/model.py, step for step, with the functions its Python path calls (the three sources
+   included below, compiled into this library), in the same order and with the same arguments, so the layer's
+   output and the K/V rows it writes are the same bit for bit:
+
+       h = rms_norm(x) * in_norm
+       qkv = h W_qkv (+ b)                      q and k heads normed (q_norm, k_norm) and rotated in place
+       K/V rows of each row's cell <- its k and v heads
+       attn = decode attention of the q heads through the tables
+       s = x + attn W_o (+ b),  h = rms_norm(s) * post_norm
+       out = s + (silu(gate) * up)(h W_gate_up (+ b)) W_down (+ b)
+
+   The pool's arrays are float32 [cells, kv_heads * head_dim]. `out` may be `x`. Scratch holds
+   strata_decode_layer_scratch(...) floats. Returns 0, -1 on arguments it refuses (nothing written), or what a
+   product returned. */
+#include "cpu_exp.h"
+#include "cpu_layer_ops.c"
+#include "cpu_packed_rows.c"
+#include "cpu_paged_decode.c"
+
+typedef struct {
+    const float *panels, *bias; /* oneDNN's packed panels (cpu_packed_rows.c); bias [n] or NULL */
+    int64_t n, k, kp;
+} strata_weight;
+
+typedef struct { /* what stays the same for a layer */
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL: no q/k norm */
+    strata_weight qkv, o, gate_up, down;
+} strata_layer;
+
+typedef struct { /* what stays the same over a step's layers */
+    int64_t rows;
+    int hidden, heads, kv_heads, head_dim, threads;
+    float eps, scale;
+    const float *cos, *sin;   /* [rows, head_dim] */
+    const int64_t *cells;     /* [rows]: the flat pool cell of each row's new K/V */
+    const int32_t *tables;    /* the attention plan of stages/cpu_attention.py */
+    int64_t table_stride;
+    const int32_t *slots, *lens, *lo, *part_first;
+    int chunk_cells, part_cells;
+    float *work;
+    float *scratch;
+    int64_t scratch_floats;
+} strata_step;
+
+int64_t strata_decode_layer_scratch(int64_t rows, int64_t hidden, int64_t qkv_n, int64_t q_width, int64_t gate_up_n) {
+    return rows * (2 * hidden + qkv_n + 2 * q_width + gate_up_n + gate_up_n / 2);
+}
+
+int strata_decode_layer(const strata_layer *L, const strata_step *S, float *k_pool, float *v_pool, const float *x,
+                        float *out) {
+    const int64_t rows = S->rows, hidden = S->hidden, hd = S->head_dim;
+    const int64_t q_width = (int64_t)S->heads * hd, kv_width = (int64_t)S->kv_heads * hd;
+    const int64_t inter = L->gate_up.n / 2;
+    if (rows < 1 || rows > MAX_ROWS || S->kv_heads < 1 || S->heads % S->kv_heads || L->qkv.k != hidden ||
+        L->qkv.n < q_width + 2 * kv_width || L->o.k != q_width || L->o.n != hidden || L->gate_up.k != hidden ||
+        L->gate_up.n % 2 || L->down.k != inter || L->down.n != hidden ||
+        S->scratch_floats < strata_decode_layer_scratch(rows, hidden, L->qkv.n, q_width, L->gate_up.n))
+        return -1;
+    float *h = S->scratch, *mixed = h + rows * hidden, *qkv = mixed + rows * hidden, *q = qkv + rows * L->qkv.n;
+    float *attn = q + rows * q_width, *gate_up = attn + rows * q_width, *mlp = gate_up + rows * L->gate_up.n;
+    const int threads = S->threads;
+    int rc;
+#define TRY(call)                                                                                                 \
+    if ((rc = (call)) != 0) return rc
+    TRY(strata_rms_norm(x, NULL, NULL, L->in_norm, h, rows, (int)hidden, S->eps, threads));
+    TRY(strata_packed_rows(h, rows, hidden, L->qkv.panels, L->qkv.n, L->qkv.kp, L->qkv.bias, qkv, threads));
+    TRY(strata_qk_norm_rope(qkv, L->qkv.n, rows, S->heads, S->kv_heads, (int)hd, L->q_norm, L->k_norm, S->eps, S->cos,
+                            S->sin, threads));
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = qkv + t * L->qkv.n;
+        memcpy(q + t * q_width, row, sizeof(float) * q_width);
+        memcpy(k_pool + S->cells[t] * kv_width, row + q_width, sizeof(float) * kv_width);
+        memcpy(v_pool + S->cells[t] * kv_width, row + q_width + kv_width, sizeof(float) * kv_width);
+    }
+    TRY(strata_paged_decode(q, k_pool, v_pool, NULL, NULL, 0, S->tables, S->table_stride, S->slots, S->lens, S->lo,
+                            (int)rows, S->kv_heads, S->heads / S->kv_heads, (int)hd, S->chunk_cells, S->scale,
+                            S->part_cells, S->part_first, S->work, attn, threads));
+    TRY(strata_packed_rows(attn, rows, q_width, L->o.panels, L->o.n, L->o.kp, L->o.bias, mixed, threads));
+    TRY(strata_rms_norm(x, mixed, out, L->post_norm, h, rows, (int)hidden, S->eps, threads));
+    TRY(strata_packed_rows(h, rows, hidden, L->gate_up.panels, L->gate_up.n, L->gate_up.kp, L->gate_up.bias, gate_up,
+                           threads));
+    TRY(strata_silu_mul(gate_up, mlp, rows, (int)inter, threads));
+    TRY(strata_packed_rows(mlp, rows, inter, L->down.panels, L->down.n, L->down.kp, L->down.bias, mixed, threads));
+#undef TRY
+    for (int64_t i = 0; i < rows * hidden; i++) out[i] += mixed[i];
+    return 0;
+}

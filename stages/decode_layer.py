@@ -1,0 +1,257 @@
+"""A dense decoder layer of a CPU stage over a decode step, in one C call (csrc/cpu_decode_layer.c).
+
+With its products read at the memory's pace (stages/packed_rows.py), a decode step of few rows still spent a
+sixth of its time between them: each layer's ten or so calls (two norms, the q/k norm and rotary, the K/V write,
+the attention plan, the SiLU product, the residual add), each a Python call, a dispatch and an allocation, run
+with caches the streamed weights have just emptied (the 104M qwen3, 1 row at 512 cells: ~2 ms of a ~15 ms step
+outside the products and the attention kernel; docs/BENCHMARKS.md "One call per decode layer"). Here a layer
+is one call of a C function that runs the same C functions in the same order.
+
+Rules:
+1. Only for a step whose rows are all decode rows (one decode group over the step's rows, in order), at most
+   packed_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself (`KVCache` with float32 K/V:
+   not int8, not the device window's view), and only for a dense attention layer (no linear attention, no routed
+   experts, no output gate) whose four products are read from packed panels (stages/packed_rows.py) and whose
+   norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a step may
+   mix both.
+2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows products and
+   the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library), in the
+   same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells.
+   The layer's output, the K/V rows in the pool and the step's logits are the same bit for bit (tested against
+   the Python path, which the tests hold to transformers). So it is used only where all three are available.
+3. What stays the same for a layer (its weights' panels, biases, norms) is gathered once (`Layer`); what stays
+   the same over a step's layers (rows, cells, rotary rows, the attention plan, one scratch buffer) once per step
+   and sliding window (`Step`). The pool's arrays are passed to each call, so a pool mapped anew is read where
+   it is now. The layer's output goes to one buffer of the step (`Step.out`), the first layer's input is left
+   as it was.
+4. The library is built, cached, trusted and checked by the rules of stages/cpu_build.py: at first use one
+   seeded layer (biases, q/k norms, two entries over scattered chunks) against a float64 torch reference.
+   `STRATA_DECODE_LAYER=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from stages import cpu_attention, cpu_build, cpu_ops, packed_rows
+from stages.attention import token_cells
+from stages.batch import StepBatch
+from stages.cpu_build import KernelRefused
+from stages.kv_cache import KVCache
+from stages.packed_linear import PackedLinear
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decode_layer.c"
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _L), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("threads", _I),
+                ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("cells", _P), ("tables", _P),
+                ("table_stride", _L), ("slots", _P), ("lens", _P), ("lo", _P), ("part_first", _P),
+                ("chunk_cells", _I), ("part_cells", _I), ("work", _P), ("scratch", _P), ("scratch_floats", _L)]
+
+
+_SIGNATURES = {"strata_decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _P, _P, _P, _P],
+               "strata_decode_layer_scratch": [_L, _L, _L, _L, _L]}
+_WEIGHTS = (("qkv", "qkv"), ("o", "self_attn.o_proj"), ("gate_up", "gate_up"), ("down", "mlp.down_proj"))
+
+
+def enabled() -> bool:
+    return os.environ.get("STRATA_DECODE_LAYER", "1") != "0"
+
+
+def build() -> Path:
+    return cpu_build.build(SOURCE, "cpu_decode_layer")
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[dict[str, object] | None, str | None]:
+    """({name: function}, None), or (None, why not): built, loaded and checked once per process (rule 4)."""
+    for name, part in (("layer ops", cpu_ops), ("packed-rows kernel", packed_rows),
+                       ("decode attention kernel", cpu_attention)):
+        if not part.available():
+            return None, f"no {name}: {part.unavailable_reason()}"  # rule 2
+    fns, why = cpu_build.load(build, _SIGNATURES, _self_check, "Decode layer")
+    if fns:
+        fns["strata_decode_layer_scratch"].restype = _L
+    return fns, why
+
+
+def available() -> bool:
+    return enabled() and _library()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    return "STRATA_DECODE_LAYER=0" if not enabled() else _library()[1]
+
+
+def _f32(t: object, shape: tuple[int, ...]) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and tuple(t.shape) == shape and t.is_contiguous())
+
+
+class Layer:
+    """Rule 3: one layer's fixed arguments, or `Layer.of` gives None where rule 1 keeps the Python path."""
+
+    def __init__(self, struct: _Layer, keep: list[torch.Tensor]) -> None:
+        self.struct, self.keep = struct, keep  # keep: the tensors the struct points into
+
+    @classmethod
+    def of(cls, w: dict, hidden: int, head_dim: int) -> "Layer | None":
+        if "experts.gate_up" in w:
+            return None
+        weights, keep = {}, []
+        for field, name in _WEIGHTS:
+            packed, bias = w.get(name + ".weight"), w.get(name + ".bias")
+            if not isinstance(packed, PackedLinear) or packed.panels is None:
+                return None
+            p = packed.panels
+            if bias is not None and not _f32(bias, (p.n,)):
+                return None
+            weights[field] = _Weight(p.address, None if bias is None else bias.data_ptr(), p.n, p.k, p.kp)
+            keep += [p.packed] + ([bias] if bias is not None else [])
+        norms = [w.get(n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                    "self_attn.q_norm.weight", "self_attn.k_norm.weight")]
+        if not (_f32(norms[0], (hidden,)) and _f32(norms[1], (hidden,))):
+            return None
+        if (norms[2] is None) != (norms[3] is None) or not all(n is None or _f32(n, (head_dim,)) for n in norms[2:]):
+            return None
+        keep += [n for n in norms if n is not None]
+        ptrs = [None if n is None else n.data_ptr() for n in norms]
+        return cls(_Layer(*ptrs, **weights), keep)
+
+
+class Step:
+    """Rule 3: a step's fixed arguments per sliding window; `Step.of` gives None where rule 1 keeps the Python
+    path for the whole step."""
+
+    def __init__(self, batch: StepBatch, kv: KVCache, cos: torch.Tensor, sin: torch.Tensor, hidden: int,
+                 heads: int, eps: float, scale: float, fns: dict[str, object] | None = None) -> None:
+        self.fns = fns or _library()[0]  # the library's functions (given by the first-use check)
+        self.batch, self.kv, self.hidden, self.heads, self.eps, self.scale = batch, kv, hidden, heads, eps, scale
+        self.rows = batch.num_tokens
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()
+        self.cells = token_cells(kv, batch)
+        self.threads = torch.get_num_threads()
+        self.out = torch.empty(self.rows, hidden, dtype=torch.float32)
+        self._structs: dict[tuple[int | None, int, int], tuple[_Step, tuple]] = {}
+
+    @classmethod
+    def of(cls, batch: StepBatch, kv: object, cos: torch.Tensor, sin: torch.Tensor, hidden: int, heads: int,
+           eps: float, scale: float) -> "Step | None":
+        if not (isinstance(kv, KVCache) and kv.device.type == "cpu" and kv.dtype == torch.float32
+                and not kv.quantized and len(batch.groups) == 1 and heads <= cpu_attention.MAX_HEADS):
+            return None
+        g, n = batch.groups[0], batch.num_tokens
+        if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= packed_rows.MAX_ROWS
+                and cos.dtype == torch.float32 and cos.shape == (n, kv.head_dim) and available()):
+            return None
+        return cls(batch, kv, cos, sin, hidden, heads, eps, scale)
+
+    def _struct(self, layer: Layer, window: int | None) -> _Step:
+        kv, s = self.kv, layer.struct
+        key = (window, s.qkv.n, s.gate_up.n)
+        if key not in self._structs:
+            plan_key = ("cpu_decode", id(kv), 0, window)  # the plan cpu_attention.paged_decode makes (rule 2)
+            if plan_key not in self.batch.cache:
+                self.batch.cache[plan_key] = cpu_attention.Plan(self.batch.groups[0], window, self.threads)
+            plan = self.batch.cache[plan_key]
+            work, (tables, stride, slots, lens, lo, *_), (part, part_first, _) = plan.fixed(kv, self.heads,
+                                                                                           kv.head_dim)
+            floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, s.qkv.n,
+                                                                   self.heads * kv.head_dim, s.gate_up.n)
+            scratch = torch.empty(floats, dtype=torch.float32)
+            struct = _Step(self.rows, self.hidden, self.heads, kv.kv_heads, kv.head_dim, self.threads, self.eps,
+                           self.scale, self.cos.data_ptr(), self.sin.data_ptr(), self.cells.data_ptr(), tables,
+                           stride, slots, lens, lo, part_first, kv.chunk_cells, part, work.data_ptr(),
+                           scratch.data_ptr(), floats)
+            self._structs[key] = (struct, (plan, work, scratch))
+        return self._structs[key][0]
+
+    def run(self, layer: Layer, kv_layer: int, window: int | None, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for input `x [rows, hidden]` float32, in `self.out` (rule 3)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rc = self.fns["strata_decode_layer"](ctypes.byref(layer.struct), ctypes.byref(self._struct(layer, window)),
+                                             self.kv.k[kv_layer].data_ptr(), self.kv.v[kv_layer].data_ptr(),
+                                             x.data_ptr(), self.out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"strata_decode_layer refused a step of {self.rows} rows ({rc})")
+        return self.out
+
+
+def _self_check(fns: dict[str, object]) -> None:
+    """Rule 4: one seeded layer, two decode entries over scattered chunks, against float64 torch."""
+    fns["strata_decode_layer_scratch"].restype = _L
+    g = torch.Generator().manual_seed(0)
+    hidden, heads, kv_heads, hd, inter, cells, eps = 64, 4, 2, 16, 96, 8, 1e-6
+    qkv_n = (heads + 2 * kv_heads) * hd
+
+    def rand(*shape: int, s: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * s
+
+    plain = {"qkv": rand(qkv_n, hidden), "self_attn.o_proj": rand(hidden, heads * hd),
+             "gate_up": rand(2 * inter, hidden), "mlp.down_proj": rand(hidden, inter)}
+    w = {f"{k}.weight": PackedLinear(v) for k, v in plain.items()}
+    w.update({"qkv.bias": rand(qkv_n), "mlp.down_proj.bias": rand(hidden), "input_layernorm.weight": 1 + rand(hidden),
+              "post_attention_layernorm.weight": 1 + rand(hidden), "self_attn.q_norm.weight": 1 + rand(hd),
+              "self_attn.k_norm.weight": 1 + rand(hd)})
+    layer = Layer.of(w, hidden, hd)
+    if layer is None:
+        raise KernelRefused("the check's layer is not read from packed panels here")
+    kv = KVCache(1, 4, cells, kv_heads, hd, torch.float32, "cpu", n_slots=2, table_chunks=2)
+    kv.set_table(0, [3, 1])
+    kv.set_table(1, [0, 2])
+    kv.k[0].copy_(rand(*kv.k[0].shape, s=1.0))
+    kv.v[0].copy_(rand(*kv.v[0].shape, s=1.0))
+    pool_k, pool_v = kv.k[0].reshape(-1, kv_heads, hd).double(), kv.v[0].reshape(-1, kv_heads, hd).double()
+    lens = [11, 5]
+    batch = StepBatch.from_slots([[0, lens[0] - 1, 1, 1], [1, lens[1] - 1, 1, 1]])
+    angles = torch.rand(2, hd // 2, generator=g) * 10
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    x = rand(2, hidden, s=1.0)
+    step = Step(batch, kv, cos, sin, hidden, heads, eps, hd**-0.5, fns)
+    got = step.run(layer, 0, None, x).clone()
+
+    def norm(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        half = hd // 2
+        return t * cos.double()[:, None] + torch.cat((-t[..., half:], t[..., :half]), -1) * sin.double()[:, None]
+
+    xd, d = x.double(), {k: v.double() for k, v in plain.items()}
+    qkv = norm(xd, w["input_layernorm.weight"]) @ d["qkv"].T + w["qkv.bias"].double()
+    q = rope(norm(qkv[:, :heads * hd].view(2, heads, hd), w["self_attn.q_norm.weight"]))
+    k = rope(norm(qkv[:, heads * hd:(heads + kv_heads) * hd].view(2, kv_heads, hd), w["self_attn.k_norm.weight"]))
+    v = qkv[:, (heads + kv_heads) * hd:].view(2, kv_heads, hd)
+    tables, attn = [[3, 1], [0, 2]], []
+    for e, n in enumerate(lens):
+        at = [tables[e][p // cells] * cells + p % cells for p in range(n)]
+        ke, ve = pool_k[at].clone(), pool_v[at].clone()
+        ke[-1], ve[-1] = k[e], v[e]
+        ke, ve = ke.repeat_interleave(heads // kv_heads, 1), ve.repeat_interleave(heads // kv_heads, 1)
+        weights = torch.softmax(torch.einsum("hd,chd->hc", q[e], ke) * hd**-0.5, -1)
+        attn.append(torch.einsum("hc,chd->hd", weights, ve).reshape(-1))
+    s = xd + torch.stack(attn) @ d["self_attn.o_proj"].T
+    gate_up = norm(s, w["post_attention_layernorm.weight"]) @ d["gate_up"].T
+    mlp = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    want = s + mlp @ d["mlp.down_proj"].T + w["mlp.down_proj.bias"].double()
+    written = kv.k[0].reshape(-1, kv_heads, hd)[[1 * cells + 2, 0 * cells + 4]].double()
+    if not (torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4) and torch.allclose(written, k, atol=1e-5)):
+        raise KernelRefused(f"strata_decode_layer disagrees with torch by "
+                            f"{(got.double() - want).abs().max().item():.2e}")

@@ -1,0 +1,160 @@
+"""stages/decode_layer.py: one C call per dense layer of a decode step gives the Python path's logits, hidden rows
+and K/V rows bit for bit (rule 2), only where rule 1 holds, and a library that computes wrong is not used (rule 4).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages import decode_layer
+from stages.batch import StepBatch
+from stages.checkpoint import load_checkpoint
+from stages.kv_cache import KVCache
+from stages.model import StageModel
+from stages.tiny import make_tiny_model
+
+needs_layer = pytest.mark.skipif(not decode_layer.available(), reason=f"no decode layer here: "
+                                 f"{decode_layer.unavailable_reason()}")
+TABLE = 5  # chunks per slot
+CELLS = 32
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    decode_layer._library.cache_clear()
+    yield monkeypatch
+    decode_layer._library.cache_clear()
+
+
+def _ckpt(tmp_path, arch: str):
+    return load_checkpoint(make_tiny_model(tmp_path / arch, arch=arch, layers=3, hidden=128, heads=4, kv_heads=2,
+                                           intermediate=256))
+
+
+def _pool(model: StageModel, kv_dtype=torch.float32) -> KVCache:
+    kv = KVCache(model.num_kv_layers, 4 * TABLE, CELLS, model.kv_heads, model.head_dim, kv_dtype, "cpu", n_slots=4,
+                 table_chunks=TABLE)
+    for s in range(4):  # scattered: slot s holds chunks s, s + 4, s + 8, ...
+        kv.set_table(s, [s + 4 * i for i in range(TABLE)])
+    return kv
+
+
+class Calls:
+    """Counts the layers stages/decode_layer.py ran."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.n = 0
+        run = decode_layer.Step.run
+
+        def counted(step, *args):
+            self.n += 1
+            return run(step, *args)
+
+        monkeypatch.setattr(decode_layer.Step, "run", counted)
+
+
+def _steps(lens: list[int], decodes: list[list[int]]) -> list[list[list[int]]]:
+    """Prefill each slot, then decode steps over the given slots (a mixed step keeps the Python path)."""
+    steps = [[[s, 0, n, 1] for s, n in enumerate(lens)]]
+    pos = list(lens)
+    for slots in decodes:
+        step = []
+        for s in slots:
+            step.append([s, pos[s], 1, 1])
+            pos[s] += 1
+        steps.append(step)
+    return steps
+
+
+@needs_layer
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bit(tmp_path, monkeypatch, arch):
+    """Rule 2 on q/k norms (qwen3), biases (qwen2) and neither (llama); 1 to 4 rows, a sliding window on one
+    layer, contexts over several scattered chunks; the pools after every step and the logits of every step."""
+    ckpt = _ckpt(tmp_path, arch)
+    on, off = StageModel(ckpt, 0, 3, dtype=torch.float32), StageModel(ckpt, 0, 3, dtype=torch.float32)
+    for m in (on, off):
+        m.sliding_windows = [None, 40, None]
+    pools = [_pool(on), _pool(off)]
+    calls = Calls(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    decodes = [[0], [0, 1], [2, 0, 1], [3, 2, 1, 0], [1], [2, 3]] * 3
+    for slots in _steps([70, 33, 5, 100], decodes):
+        ids = torch.randint(0, 200, (sum(n for _, _, n, _ in slots),), generator=g)
+        before = calls.n
+        got = on.forward(StepBatch.from_slots(slots), pools[0], ids)
+        fused = calls.n - before
+        monkeypatch.setenv("STRATA_DECODE_LAYER", "0")
+        want = off.forward(StepBatch.from_slots(slots), pools[1], ids)
+        monkeypatch.delenv("STRATA_DECODE_LAYER")
+        assert fused == (3 if all(n == 1 for _, _, n, _ in slots) else 0)
+        assert torch.equal(got, want)
+        for a, b in zip([*pools[0].k, *pools[0].v], [*pools[1].k, *pools[1].v]):
+            assert torch.equal(a, b)
+    assert calls.n == 3 * len(decodes)
+
+
+@needs_layer
+def test_a_middle_stage_takes_hidden_rows_and_leaves_them_as_they_were(tmp_path, monkeypatch):
+    ckpt = _ckpt(tmp_path, "qwen3")
+    on, off = StageModel(ckpt, 1, 3, dtype=torch.float32), StageModel(ckpt, 1, 3, dtype=torch.float32)
+    pools = [_pool(on), _pool(off)]
+    calls = Calls(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    for slots in _steps([20, 9], [[0, 1], [1], [0, 1]]):
+        x = torch.randn(sum(n for _, _, n, _ in slots), 128, generator=g)
+        x0 = x.clone()
+        got = on.forward(StepBatch.from_slots(slots), pools[0], x)
+        assert torch.equal(x, x0)
+        monkeypatch.setenv("STRATA_DECODE_LAYER", "0")
+        want = off.forward(StepBatch.from_slots(slots), pools[1], x)
+        monkeypatch.delenv("STRATA_DECODE_LAYER")
+        assert torch.equal(got, want)
+    assert calls.n == 2 * 3
+
+
+@needs_layer
+def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
+    ckpt = _ckpt(tmp_path, "qwen3")
+    model = StageModel(ckpt, 0, 3, dtype=torch.float32)
+    calls = Calls(monkeypatch)
+    decode = StepBatch.from_slots([[0, 3, 1, 1]])
+
+    def run(m: StageModel, kv: KVCache, batch: StepBatch) -> int:
+        before = calls.n
+        m.forward(batch, kv, torch.tensor([7] * batch.num_tokens))
+        return calls.n - before
+
+    assert run(model, _pool(model), decode) == 3
+    assert run(model, _pool(model, torch.int8), decode) == 0  # int8 K/V
+    assert run(model, _pool(model), StepBatch.from_slots([[0, 0, 4, 1]])) == 0  # a prefill piece
+    many = StepBatch.from_slots([[s, 3, 1, 1] for s in range(4)])
+    monkeypatch.setattr(decode_layer.packed_rows, "MAX_ROWS", 3)
+    assert run(model, _pool(model), many) == 0  # more rows than the packed-rows kernel takes
+    monkeypatch.undo()
+    calls = Calls(monkeypatch)
+    monkeypatch.setenv("STRATA_DECODE_LAYER", "0")
+    assert not decode_layer.available() and decode_layer.unavailable_reason() == "STRATA_DECODE_LAYER=0"
+    assert run(model, _pool(model), decode) == 0
+    monkeypatch.delenv("STRATA_DECODE_LAYER")
+    plain = StageModel(ckpt, 0, 3, dtype=torch.float32, pack_weights=False)  # no packed panels
+    assert run(plain, _pool(plain), decode) == 0
+    assert plain._decode_layers == [None, None, None]
+
+
+@pytest.mark.parametrize("edit", [("out[i] += mixed[i]", "out[i] -= mixed[i]"),
+                                  ("row + q_width + kv_width, sizeof", "row + q_width, sizeof"),
+                                  ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps")])
+def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
+    """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
+    source = decode_layer.SOURCE.read_text()
+    wrong = source.replace(*edit)
+    assert wrong != source
+    bad = tmp_path / "bad.c"
+    bad.write_text(wrong)
+    fresh_library.setattr(decode_layer, "SOURCE", bad)
+    fresh_library.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    if not all(p.available() for p in (decode_layer.cpu_ops, decode_layer.packed_rows, decode_layer.cpu_attention)):
+        pytest.skip("the parts the decode layer runs are not available here")
+    assert not decode_layer.available()
+    assert "disagrees with torch" in decode_layer.unavailable_reason()
