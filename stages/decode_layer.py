@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -43,6 +44,8 @@ from stages.batch import StepBatch
 from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
 from stages.packed_linear import PackedLinear
+
+log = logging.getLogger("strata.stage")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decode_layer.c"
 
@@ -97,6 +100,15 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return "STRATA_DECODE_LAYER=0" if not enabled() else _library()[1]
+
+
+def log_layers(layers: list["Layer | None"]) -> None:
+    """Says in the stage's log how many of its layers a decode step runs as one call each, or why none."""
+    if not available():
+        log.info("decode steps: every layer in Python (stages/decode_layer.py: %s)", unavailable_reason())
+    else:
+        log.info("decode steps: %d of %d layers one C call each (stages/decode_layer.py)",
+                 sum(x is not None for x in layers), len(layers))
 
 
 def _f32(t: object, shape: tuple[int, ...]) -> bool:

@@ -419,19 +419,23 @@ class StageModel:
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
         return linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
 
+    def decode_layers(self) -> list[decode_layer.Layer | None]:
+        """stages/decode_layer.py's Layer for each local layer (None: the layer keeps the Python path), found once."""
+        if self._decode_layers is None:
+            s = self.spec
+            self._decode_layers = [None if s.gated or self.linear_layers[i] is not None else
+                                   decode_layer.Layer.of(w, s.hidden_size, s.head_dim)
+                                   for i, w in enumerate(self.layers)]
+        return self._decode_layers
+
     def _decode_step(self, batch: StepBatch, kv: KVCache | StepView, cos: torch.Tensor,
                      sin: torch.Tensor) -> decode_layer.Step | None:
         """The step's arguments to stages/decode_layer.py's one call per dense layer, or None where its rule 1
-        keeps the Python path (the layers it takes are found at the first such step)."""
+        keeps the Python path for the whole step."""
         s = self.spec
-        if not (self.cpu_ops and self.layers and not s.gated):
+        if not (self.cpu_ops and not s.gated and any(self.decode_layers())):
             return None
-        step = decode_layer.Step.of(batch, kv, cos, sin, s.hidden_size, s.num_heads, s.rms_norm_eps, self.scale)
-        if step is not None and self._decode_layers is None:
-            self._decode_layers = [None if self.linear_layers[i] is not None else
-                                   decode_layer.Layer.of(w, s.hidden_size, s.head_dim)
-                                   for i, w in enumerate(self.layers)]
-        return step
+        return decode_layer.Step.of(batch, kv, cos, sin, s.hidden_size, s.num_heads, s.rms_norm_eps, self.scale)
 
     def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[T, head_dim]` of the step's positions: rows of the table (built as `Rope.cos_sin` builds

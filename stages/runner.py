@@ -48,7 +48,7 @@ from pool.step_chain import Samples
 from pool.window_plan import Geometry, frame_bytes, plan_frames, scratch_bytes
 from pool.wire import PROTOCOL
 
-from . import cpu_attention, cpu_ops, packed_linear
+from . import cpu_attention, cpu_ops, decode_layer, packed_linear
 from .batch import StepBatch
 from .checkpoint import load_checkpoint
 from .kv_cache import KVCache, kv_dtype_name
@@ -139,6 +139,7 @@ class StageRunner:
         if self.model.cpu_ops:  # a float32 CPU stage: float32 queries over a float32 or int8 pool
             cpu_attention.available()  # compiled and checked at load, not in the first step (its rules 4-5)
             cpu_ops.available()  # the same for the layer ops (its rule 4)
+            decode_layer.log_layers(self.model.decode_layers())  # and the one call per decode layer
         if self.device.type == "cpu":
             packed = self.model.packed_weights()
             packed_linear.tune(packed)  # its rule 6: how few rows run padded, on this CPU
