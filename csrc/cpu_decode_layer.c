@@ -11,9 +11,14 @@
        s = x + attn W_o (+ b),  h = rms_norm(s) * post_norm
        out = s + (silu(gate) * up)(h W_gate_up (+ b)) W_down (+ b)
 
-   The pool's arrays are float32 [cells, kv_heads * head_dim]. `out` may be `x`. Scratch holds
-   strata_decode_layer_scratch(...) floats. Returns 0, -1 on arguments it refuses (nothing written), or what a
+   The pool's arrays are [cells, kv_heads * head_dim]: float32 (k_scale, v_scale NULL), or int8 with float32
+   scales [cells, kv_heads], each new row quantized per kv head as stages/attention.py's quantize_int8 does
+   (scale = absmax / 127, value = x / max(scale, FLT_MIN) rounded half to even, clamped to +-127). `out` may be
+   `x`. Scratch holds strata_decode_layer_scratch(...) floats. Returns 0, -1 on arguments it refuses (nothing written), or what a
    product returned. */
+#include <float.h>
+#include <math.h>
+
 #include "cpu_exp.h"
 #include "cpu_layer_ops.c"
 #include "cpu_packed_rows.c"
@@ -44,19 +49,42 @@ typedef struct { /* what stays the same over a step's layers */
     int64_t scratch_floats;
 } strata_step;
 
+/* One new K or V row (kv_heads heads of head_dim) into cell `cell` of a float32 pool, or quantized into an int8
+   pool and its scales. */
+static void put_row(const float *src, void *pool, float *scales, int64_t cell, int kv_heads, int head_dim) {
+    const int64_t width = (int64_t)kv_heads * head_dim;
+    if (!scales) {
+        memcpy((float *)pool + cell * width, src, sizeof(float) * width);
+        return;
+    }
+    int8_t *dst = (int8_t *)pool + cell * width;
+    for (int h = 0; h < kv_heads; h++) {
+        const float *x = src + (int64_t)h * head_dim;
+        float amax = 0.0f;
+        for (int i = 0; i < head_dim; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float scale = amax / 127.0f, by = scale < FLT_MIN ? FLT_MIN : scale;
+        for (int i = 0; i < head_dim; i++) {
+            const float q = nearbyintf(x[i] / by);
+            dst[(int64_t)h * head_dim + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+        }
+        scales[cell * kv_heads + h] = scale;
+    }
+}
+
 int64_t strata_decode_layer_scratch(int64_t rows, int64_t hidden, int64_t qkv_n, int64_t q_width, int64_t gate_up_n) {
     return rows * (2 * hidden + qkv_n + 2 * q_width + gate_up_n + gate_up_n / 2);
 }
 
-int strata_decode_layer(const strata_layer *L, const strata_step *S, float *k_pool, float *v_pool, const float *x,
-                        float *out) {
+int strata_decode_layer(const strata_layer *L, const strata_step *S, void *k_pool, void *v_pool, float *k_scale,
+                        float *v_scale, const float *x, float *out) {
     const int64_t rows = S->rows, hidden = S->hidden, hd = S->head_dim;
     const int64_t q_width = (int64_t)S->heads * hd, kv_width = (int64_t)S->kv_heads * hd;
     const int64_t inter = L->gate_up.n / 2;
     if (rows < 1 || rows > MAX_ROWS || S->kv_heads < 1 || S->heads % S->kv_heads || L->qkv.k != hidden ||
         L->qkv.n < q_width + 2 * kv_width || L->o.k != q_width || L->o.n != hidden || L->gate_up.k != hidden ||
         L->gate_up.n % 2 || L->down.k != inter || L->down.n != hidden ||
-        S->scratch_floats < strata_decode_layer_scratch(rows, hidden, L->qkv.n, q_width, L->gate_up.n))
+        S->scratch_floats < strata_decode_layer_scratch(rows, hidden, L->qkv.n, q_width, L->gate_up.n) ||
+        (!k_scale) != (!v_scale) || (k_scale && kv_width > MAX_ROW))
         return -1;
     float *h = S->scratch, *mixed = h + rows * hidden, *qkv = mixed + rows * hidden, *q = qkv + rows * L->qkv.n;
     float *attn = q + rows * q_width, *gate_up = attn + rows * q_width, *mlp = gate_up + rows * L->gate_up.n;
@@ -71,10 +99,11 @@ int strata_decode_layer(const strata_layer *L, const strata_step *S, float *k_po
     for (int64_t t = 0; t < rows; t++) {
         const float *row = qkv + t * L->qkv.n;
         memcpy(q + t * q_width, row, sizeof(float) * q_width);
-        memcpy(k_pool + S->cells[t] * kv_width, row + q_width, sizeof(float) * kv_width);
-        memcpy(v_pool + S->cells[t] * kv_width, row + q_width + kv_width, sizeof(float) * kv_width);
+        put_row(row + q_width, k_pool, k_scale, S->cells[t], S->kv_heads, (int)hd);
+        put_row(row + q_width + kv_width, v_pool, v_scale, S->cells[t], S->kv_heads, (int)hd);
     }
-    TRY(strata_paged_decode(q, k_pool, v_pool, NULL, NULL, 0, S->tables, S->table_stride, S->slots, S->lens, S->lo,
+    TRY(strata_paged_decode(q, k_pool, v_pool, k_scale, v_scale, k_scale != NULL, S->tables, S->table_stride,
+                            S->slots, S->lens, S->lo,
                             (int)rows, S->kv_heads, S->heads / S->kv_heads, (int)hd, S->chunk_cells, S->scale,
                             S->part_cells, S->part_first, S->work, attn, threads));
     TRY(strata_packed_rows(attn, rows, q_width, L->o.panels, L->o.n, L->o.kp, L->o.bias, mixed, threads));

@@ -9,14 +9,15 @@ is one call of a C function that runs the same C functions in the same order.
 
 Rules:
 1. Only for a step whose rows are all decode rows (one decode group over the step's rows, in order), at most
-   packed_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself (`KVCache` with float32 K/V:
-   not int8, not the device window's view), and only for a dense attention layer (no linear attention, no routed
+   packed_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself (`KVCache` with float32 or
+   int8 K/V, not the device window's view), and only for a dense attention layer (no linear attention, no routed
    experts, no output gate) whose four products are read from packed panels (stages/packed_rows.py) and whose
    norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a step may
    mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows products and
    the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library), in the
-   same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells.
+   same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells
+   (into an int8 pool quantized as attention.quantize_int8 does, the same values and scales).
    The layer's output, the K/V rows in the pool and the step's logits are the same bit for bit (tested against
    the Python path, which the tests hold to transformers). So it is used only where all three are available.
 3. What stays the same for a layer (its weights' panels, biases, norms) is gathered once (`Layer`); what stays
@@ -25,7 +26,8 @@ Rules:
    it is now. The layer's output goes to one buffer of the step (`Step.out`), the first layer's input is left
    as it was.
 4. The library is built, cached, trusted and checked by the rules of stages/cpu_build.py: at first use one
-   seeded layer (biases, q/k norms, two entries over scattered chunks) against a float64 torch reference.
+   seeded layer (biases, q/k norms, two entries over scattered chunks) against a float64 torch reference, and
+   its int8 K/V rows and scales against quantize_int8 of the float32 ones.
    `STRATA_DECODE_LAYER=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from stages import cpu_attention, cpu_build, cpu_ops, packed_rows
-from stages.attention import token_cells
+from stages.attention import quantize_int8, token_cells
 from stages.batch import StepBatch
 from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
@@ -68,7 +70,7 @@ class _Step(ctypes.Structure):
                 ("chunk_cells", _I), ("part_cells", _I), ("work", _P), ("scratch", _P), ("scratch_floats", _L)]
 
 
-_SIGNATURES = {"strata_decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _P, _P, _P, _P],
+_SIGNATURES = {"strata_decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _P, _P, _P, _P, _P, _P],
                "strata_decode_layer_scratch": [_L, _L, _L, _L, _L]}
 _WEIGHTS = (("qkv", "qkv"), ("o", "self_attn.o_proj"), ("gate_up", "gate_up"), ("down", "mlp.down_proj"))
 
@@ -165,8 +167,9 @@ class Step:
     @classmethod
     def of(cls, batch: StepBatch, kv: object, cos: torch.Tensor, sin: torch.Tensor, hidden: int, heads: int,
            eps: float, scale: float) -> "Step | None":
-        if not (isinstance(kv, KVCache) and kv.device.type == "cpu" and kv.dtype == torch.float32
-                and not kv.quantized and len(batch.groups) == 1 and heads <= cpu_attention.MAX_HEADS):
+        if not (isinstance(kv, KVCache) and kv.device.type == "cpu" and len(batch.groups) == 1
+                and (kv.dtype == torch.float32 or (kv.quantized and kv.kv_heads * kv.head_dim <= cpu_attention.MAX_ROW))
+                and heads <= cpu_attention.MAX_HEADS):
             return None
         g, n = batch.groups[0], batch.num_tokens
         if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= packed_rows.MAX_ROWS
@@ -198,8 +201,10 @@ class Step:
         """The layer's output for input `x [rows, hidden]` float32, in `self.out` (rule 3)."""
         if not x.is_contiguous():
             x = x.contiguous()
+        kv = self.kv
+        scales = (kv.k_scale[kv_layer].data_ptr(), kv.v_scale[kv_layer].data_ptr()) if kv.quantized else (None, None)
         rc = self.fns["strata_decode_layer"](ctypes.byref(layer.struct), ctypes.byref(self._struct(layer, window)),
-                                             self.kv.k[kv_layer].data_ptr(), self.kv.v[kv_layer].data_ptr(),
+                                             kv.k[kv_layer].data_ptr(), kv.v[kv_layer].data_ptr(), *scales,
                                              x.data_ptr(), self.out.data_ptr())
         if rc != 0:
             raise ValueError(f"strata_decode_layer refused a step of {self.rows} rows ({rc})")
@@ -231,6 +236,7 @@ def _self_check(fns: dict[str, object]) -> None:
     kv.k[0].copy_(rand(*kv.k[0].shape, s=1.0))
     kv.v[0].copy_(rand(*kv.v[0].shape, s=1.0))
     pool_k, pool_v = kv.k[0].reshape(-1, kv_heads, hd).double(), kv.v[0].reshape(-1, kv_heads, hd).double()
+    old = [kv.k[0].reshape(-1, kv_heads, hd).clone(), kv.v[0].reshape(-1, kv_heads, hd).clone()]
     lens = [11, 5]
     batch = StepBatch.from_slots([[0, lens[0] - 1, 1, 1], [1, lens[1] - 1, 1, 1]])
     angles = torch.rand(2, hd // 2, generator=g) * 10
@@ -267,3 +273,23 @@ def _self_check(fns: dict[str, object]) -> None:
     if not (torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4) and torch.allclose(written, k, atol=1e-5)):
         raise KernelRefused(f"strata_decode_layer disagrees with torch by "
                             f"{(got.double() - want).abs().max().item():.2e}")
+    # The same step on an int8 pool holding the old rows quantized: its new rows and scales are quantize_int8 of
+    # the float32 rows just written, and its output is the float one's to int8's precision (within 5% of the largest
+    # value: wrong scales or rows miss by far more).
+    q8 = KVCache(1, 4, cells, kv_heads, hd, torch.int8, "cpu", n_slots=2, table_chunks=2)
+    for slot, chunks in enumerate(tables):
+        q8.set_table(slot, chunks)
+    for rows, values, scales in zip(old, (q8.k[0], q8.v[0]), (q8.k_scale[0], q8.v_scale[0])):
+        qv, sv = quantize_int8(rows)
+        values.copy_(qv.view_as(values))
+        scales.copy_(sv.view_as(scales))
+    got8 = Step(batch, q8, cos, sin, hidden, heads, eps, hd**-0.5, fns).run(layer, 0, None, x)
+    new = [cells + 2, 4]
+    for rows, values, scales in zip((kv.k[0], kv.v[0]), (q8.k[0], q8.v[0]), (q8.k_scale[0], q8.v_scale[0])):
+        qv, sv = quantize_int8(rows.reshape(-1, kv_heads, hd)[new])
+        if not (torch.equal(values.reshape(-1, kv_heads, hd)[new], qv)
+                and torch.equal(scales.reshape(-1, kv_heads)[new], sv)):
+            raise KernelRefused("strata_decode_layer disagrees with torch's quantize_int8 on new K/V rows")
+    if (got8 - got).abs().max() > 0.05 * got.abs().max():
+        raise KernelRefused(f"strata_decode_layer over int8 K/V disagrees with float32 K/V by "
+                            f"{(got8 - got).abs().max().item():.2e}")

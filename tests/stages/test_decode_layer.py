@@ -39,6 +39,10 @@ def _pool(model: StageModel, kv_dtype=torch.float32) -> KVCache:
     return kv
 
 
+def _arrays(kv: KVCache) -> list[torch.Tensor]:
+    return [*kv.k, *kv.v, *(kv.k_scale or ()), *(kv.v_scale or ())]
+
+
 class Calls:
     """Counts the layers stages/decode_layer.py ran."""
 
@@ -67,15 +71,18 @@ def _steps(lens: list[int], decodes: list[list[int]]) -> list[list[list[int]]]:
 
 
 @needs_layer
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bit(tmp_path, monkeypatch, arch):
-    """Rule 2 on q/k norms (qwen3), biases (qwen2) and neither (llama); 1 to 4 rows, a sliding window on one
-    layer, contexts over several scattered chunks; the pools after every step and the logits of every step."""
+@pytest.mark.parametrize("arch,kv_dtype", [("qwen3", torch.float32), ("qwen2", torch.float32),
+                                           ("llama", torch.float32), ("qwen3", torch.int8), ("qwen2", torch.int8)])
+def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bit(tmp_path, monkeypatch, arch,
+                                                                                  kv_dtype):
+    """Rule 2 on q/k norms (qwen3), biases (qwen2) and neither (llama), float32 and int8 K/V; 1 to 4 rows, a
+    sliding window on one layer, contexts over several scattered chunks; the pools (values and int8 scales) after
+    every step and the logits of every step."""
     ckpt = _ckpt(tmp_path, arch)
     on, off = StageModel(ckpt, 0, 3, dtype=torch.float32), StageModel(ckpt, 0, 3, dtype=torch.float32)
     for m in (on, off):
         m.sliding_windows = [None, 40, None]
-    pools = [_pool(on), _pool(off)]
+    pools = [_pool(on, kv_dtype), _pool(off, kv_dtype)]
     calls = Calls(monkeypatch)
     g = torch.Generator().manual_seed(1)
     decodes = [[0], [0, 1], [2, 0, 1], [3, 2, 1, 0], [1], [2, 3]] * 3
@@ -89,7 +96,7 @@ def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bi
         monkeypatch.delenv("STRATA_DECODE_LAYER")
         assert fused == (3 if all(n == 1 for _, _, n, _ in slots) else 0)
         assert torch.equal(got, want)
-        for a, b in zip([*pools[0].k, *pools[0].v], [*pools[1].k, *pools[1].v]):
+        for a, b in zip(_arrays(pools[0]), _arrays(pools[1])):
             assert torch.equal(a, b)
     assert calls.n == 3 * len(decodes)
 
@@ -126,7 +133,7 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
         return calls.n - before
 
     assert run(model, _pool(model), decode) == 3
-    assert run(model, _pool(model, torch.int8), decode) == 0  # int8 K/V
+    assert run(model, _pool(model, torch.int8), decode) == 3
     assert run(model, _pool(model), StepBatch.from_slots([[0, 0, 4, 1]])) == 0  # a prefill piece
     many = StepBatch.from_slots([[s, 3, 1, 1] for s in range(4)])
     monkeypatch.setattr(decode_layer.packed_rows, "MAX_ROWS", 3)
@@ -143,8 +150,9 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("edit", [("out[i] += mixed[i]", "out[i] -= mixed[i]"),
-                                  ("row + q_width + kv_width, sizeof", "row + q_width, sizeof"),
-                                  ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps")])
+                                  ("put_row(row + q_width + kv_width, v_pool", "put_row(row + q_width, v_pool"),
+                                  ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps"),
+                                  ("nearbyintf(x[i] / by)", "truncf(x[i] / by)")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
     source = decode_layer.SOURCE.read_text()
