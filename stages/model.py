@@ -61,7 +61,7 @@ from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
 from stages.linear_attention import LinearSpec, fuse_linear, linear_attention, linear_tensor_names
 from stages.moe import MoESpec, moe_mlp, sparse_tensor_names, stack_experts
-from stages.packed_linear import PackedLinear, pack_layer, pack_weight
+from stages.packed_linear import PackedLinear, pack_layer, pack_tied, pack_weight
 from stages.quant_linear import (Planes, QuantEmbedding, RowStack, embed, fuse_rows, kernel_dtype_ok, linear, pack,
                                  take_rows, weight_bytes)
 from stages.rope import Rope, apply_rope
@@ -252,8 +252,10 @@ class StageModel:
             self.lm_head = pack(self.lm_head, self.dtype, self.device)
         if pack_weights and self.device.type == "cpu":  # stages/packed_linear.py
             self.layers = [pack_layer(layer) for layer in self.layers]
-            if self.lm_head is not self.embed:  # a tied table the embedding reads stays one plain copy
+            if self.lm_head is not self.embed:
                 self.lm_head = pack_weight(self.lm_head)
+            elif self.lm_head is not None:  # a tied table: one copy, read by both (packed_linear rule 9)
+                self.lm_head, self.embed = pack_tied(self.lm_head)
 
     def _pack(self, layer: dict) -> dict:
         """A layer's dict with its Planes packed (QuantLinear, lists of them for experts)."""

@@ -38,6 +38,12 @@ Rules:
    the pace the weight streams from memory; rules 5-6 then serve only the weights it cannot read.
 8. The packed memory is put into 2 MiB pages where the system allows (stages/huge_pages.py), so streaming it
    walks few TLB entries: `huge` is the bytes collapsed at packing, `memory` the (address, bytes) it holds.
+9. A tied table on a stage that holds both the embedding and the lm_head (`pack_tied`) is packed like any weight
+   where stages/packed_rows.py can read it, and the embedding then reads its rows from the packed memory
+   (`PackedEmbedding`): still one copy, and the head's product at the memory's pace. Multiplied plain, by
+   F.linear, a tied table [151936, 1024] (Qwen3-0.6B's) took 42 ms for 1 row and 129 ms for 4 (2 threads, AMD
+   EPYC), packed 24 and 21 ms (docs/BENCHMARKS.md, "A tied table packed once"). Where packed_rows cannot read it,
+   the table stays one plain tensor for both.
 """
 from __future__ import annotations
 
@@ -235,3 +241,27 @@ def pack_layer(layer: dict) -> dict:
 def pack_weight(w: object) -> object:
     """One weight (the lm_head) packed when it is packable, else unchanged."""
     return PackedLinear(w) if packable(w) else w
+
+
+class PackedEmbedding:
+    """Rule 9: the embedding of a tied table, its rows read from the lm_head's packed panels."""
+
+    nbytes = 0  # the table's bytes are the lm_head's
+
+    def __init__(self, head: PackedLinear) -> None:
+        if head.panels is None:
+            raise ValueError("a tied table's embedding reads the packed panels, and this weight has none")
+        self.head, self.shape, self.dtype = head, head.shape, head.dtype
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_rows.rows(self.head.panels, ids)
+
+
+def pack_tied(table: object) -> tuple[object, object]:
+    """Rule 9: (lm_head, embedding) for a tied table: packed and read from its panels, else (table, table)."""
+    if not packable(table):
+        return table, table
+    head = PackedLinear(table)
+    if head.panels is None:
+        return table, table  # the packed copy is dropped with `head`
+    return head, PackedEmbedding(head)

@@ -22,6 +22,9 @@ Rules:
 5. The library is compiled, cached, trusted and checked by the rules of stages/cpu_build.py; a failure leaves
    `available()` False with `unavailable_reason()` and oneDNN multiplies every row. `STRATA_CPU_KERNELS=0` turns
    it off; `STRATA_PACKED_ROWS=N` sets MAX_ROWS (0 turns it off, at most LIMIT_ROWS).
+6. A weight's rows can be read back from its panels (`rows`, a gather by torch): the embedding of a stage whose
+   lm_head is its embedding table (tied) reads the lm_head's packed memory instead of keeping a plain copy
+   (stages/packed_linear.py rule 9).
 """
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ MAX_ROWS = _max_rows()
 
 @dataclass(frozen=True)
 class Panels:
-    """A packed weight's memory in rule 1's layout: `packed` (kept alive here) at `address`, [n, k], k padded to kp."""
+    """A packed weight's memory in rule 1's layout: `packed` (kept alive here) at `address`, [n, k], k padded to kp;
+    `raw` the same memory as a float32 [panels, kp, PANEL] view."""
     packed: torch.Tensor
     address: int
     n: int
     k: int
     kp: int
+    raw: torch.Tensor
 
 
 def build() -> Path:
@@ -117,7 +122,7 @@ def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
     same = torch.equal(raw[:full, :k], weight[:full * PANEL].view(full, PANEL, k).transpose(1, 2))
     if same and n % PANEL:
         same = torch.equal(raw[full, :k, :n % PANEL], weight[full * PANEL:].t())
-    return Panels(packed, address, n, k, kp) if same else None
+    return Panels(packed, address, n, k, kp, raw) if same else None
 
 
 def panels(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
@@ -139,6 +144,12 @@ def multiply(p: Panels, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
     if rc != 0:
         raise ValueError(f"strata_packed_rows refused a product of {x.shape[0]} rows by [{p.n}, {p.k}] ({rc})")
     return out
+
+
+def rows(p: Panels, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight, [len(ids), k], read from its panels (rule 6): the plain weight's values."""
+    ids = ids.reshape(-1)
+    return p.raw[ids // PANEL, :p.k, ids % PANEL]
 
 
 def _self_check(fns: dict[str, object]) -> None:

@@ -142,8 +142,8 @@ def test_tied_embeddings(tmp_path):
     assert ckpt.tie_word_embeddings and not ckpt.has_tensor("lm_head.weight")
     last = StageModel(ckpt, 2, 4, pack_weights=False)  # the last stage alone loads the embedding as its lm_head
     assert torch.equal(last.lm_head, model.state_dict()["model.embed_tokens.weight"])
-    whole = StageModel(ckpt, 0, 4)
-    assert whole.lm_head is whole.embed
+    whole = StageModel(ckpt, 0, 4, pack_weights=False)
+    assert whole.lm_head is whole.embed  # one table for both (packed: stages/packed_linear.py rule 9)
 
 
 def test_dtype_comes_from_the_checkpoint(tmp_path):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from stages import packed_linear, packed_rows
 from stages.checkpoint import load_checkpoint
 from stages.model import StageModel
-from stages.packed_linear import PackedLinear, available, pack_layer
+from stages.packed_linear import PackedEmbedding, PackedLinear, available, pack_layer
 from stages.quant_linear import linear
 from stages.tiny import make_tiny_model
 
@@ -164,8 +164,12 @@ def test_packing_a_layer_drops_the_part_views_and_keeps_the_rest(tmp_path):
     assert not any(k in w for k in ("self_attn.q_proj.weight", "mlp.up_proj.weight"))
     assert torch.equal(w["qkv.bias"], plain.layers[1]["qkv.bias"])  # biases and norms stay plain tensors
     assert packed.weight_bytes() == plain.weight_bytes()
-    # the tied table of a one-stage model stays one plain tensor, read by the embedding and the head
-    assert (packed.lm_head is packed.embed) == ckpt.tie_word_embeddings
+    # the tied table of a one-stage model is one copy, read by the embedding and the head (rule 9)
+    assert ckpt.tie_word_embeddings
+    if isinstance(packed.lm_head, PackedLinear):
+        assert isinstance(packed.embed, PackedEmbedding) and packed.embed.head is packed.lm_head
+    else:  # packed_rows cannot read the panels here: one plain tensor for both
+        assert packed.lm_head is packed.embed
 
 
 def test_packing_is_off_where_the_environment_says_so(monkeypatch):

@@ -13,7 +13,7 @@ from stages import packed_linear, packed_rows
 from stages.checkpoint import load_checkpoint
 from stages.model import StageModel
 from stages.packed_linear import PackedLinear
-from stages.quant_linear import linear
+from stages.quant_linear import embed, linear
 from stages.tiny import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(not packed_rows.available(),
@@ -97,6 +97,46 @@ def test_every_float_weight_of_a_cpu_stage_is_read_from_its_panels(tmp_path):
     model = StageModel(ckpt, 0, 2)
     weights = model.packed_weights()
     assert weights and all(w.panels is not None for w in weights)
+
+
+@needs_kernel
+def test_rows_read_back_from_the_panels_are_the_weight_rows():
+    """Rule 6: any row, in the last (partial) panel too, in any order and repeated, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 72, generator=g)  # 200 = 3 whole panels and 8 rows of a fourth; K padded 72 -> 80
+    p = PackedLinear(w).panels
+    ids = torch.tensor([0, 199, 63, 64, 128, 191, 192, 5, 5, 199])
+    assert torch.equal(packed_rows.rows(p, ids), w[ids])
+    assert torch.equal(packed_rows.rows(p, torch.arange(200)), w)
+    assert packed_rows.rows(p, torch.tensor([[7, 8], [9, 10]])).shape == (4, 72)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_a_tied_table_is_packed_once_and_the_embedding_reads_it(tmp_path, arch):
+    """stages/packed_linear.py rule 9: one stage with both ends of a tied model holds the table once, packed; the
+    embedding reads the plain table's rows from it, the head multiplies at packed_rows' pace, and the stage gives
+    the logits of the same stage unpacked."""
+    ckpt = load_checkpoint(make_tiny_model(tmp_path / arch, arch=arch, layers=2, hidden=64, heads=4, kv_heads=2,
+                                           vocab=None))
+    assert ckpt.tie_word_embeddings
+    plain, packed = StageModel(ckpt, 0, 2, pack_weights=False), StageModel(ckpt, 0, 2)
+    assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.panels is not None
+    assert isinstance(packed.embed, packed_linear.PackedEmbedding) and packed.embed.head is packed.lm_head
+    assert packed.lm_head in packed.packed_weights()
+    assert packed.weight_bytes() == plain.weight_bytes()  # counted once, as the plain stage holds it
+    ids = torch.arange(plain.vocab_size)
+    assert torch.equal(embed(ids, packed.embed), plain.embed[ids])
+    from stages.batch import StepBatch
+    from stages.kv_cache import KVCache
+    pools = [KVCache(2, 8, 16, 2, 16, torch.float32, "cpu", n_slots=1, table_chunks=8) for _ in range(2)]
+    for kv in pools:
+        kv.set_table(0, list(range(8)))
+    prompt = torch.tensor([3, 9, 27, 81, 243, 100, 7])
+    for slots, ids in (([[0, 0, 7, 1]], prompt), ([[0, 7, 1, 1]], torch.tensor([11]))):
+        got = packed.forward(StepBatch.from_slots(slots), pools[0], ids)
+        want = plain.forward(StepBatch.from_slots(slots), pools[1], ids)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_row_count_comes_from_the_environment(monkeypatch):
