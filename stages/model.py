@@ -42,7 +42,8 @@ QuantLinear (or a RowStack, when a fused projection's parts are stored in differ
 weight would be, fused before packing and without row views of the parts; `linear(x, w, bias)` multiplies
 either kind, and the embedding is a QuantEmbedding. `keep_quantized=False` dequantizes them at load instead.
 On a CPU stage the float weights a step multiplies are then packed for oneDNN (stages/packed_linear.py; the
-parts' row views are dropped with the plain copy; `pack_weights=False` keeps the plain tensors and views).
+parts' row views are dropped with the plain copy; a tied table on a stage with both ends is packed once and the
+embedding reads its rows from the packed memory; `pack_weights=False` keeps the plain tensors and views).
 Rotary cos/sin are kept per position in a table grown on demand (except `dynamic` rope, whose frequencies
 depend on the context length).
 """

@@ -107,6 +107,12 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         return _run_peers(args, Path(tmp))
 
 
+def checkpoint_layers(model_dir: str | Path) -> int:
+    """The decoder layers of a checkpoint directory, from its config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
 def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     notes: list[str] = []
     seed = 0
@@ -121,6 +127,7 @@ def _run_peers(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                      "and llama-server)")
     elif args.model_dir:
         model_dir = args.model_dir
+        args.layers = checkpoint_layers(model_dir)  # the stages split the checkpoint's layers, not --layers
     else:
         built = run_child("stages.bench_peers", ["build", "--dir", str(tmp / "model"), "--arch", args.arch,
                                                  "--layers", str(args.layers), "--hidden", str(args.hidden),

@@ -389,6 +389,16 @@ def test_peers_config_splits_layers_and_threads() -> None:
     assert pipeline.turns(config_from_dict(cfg)) and not pipeline.turns(config_from_dict(piped))  # strata up takes both
 
 
+def test_peers_split_the_layers_of_the_checkpoint_given_with_model_dir(tmp_path: Path) -> None:
+    """`--model-dir` of a 28-layer checkpoint splits 28 layers, whatever `--layers` (the built model's) says."""
+    from coordinator.bench.peers import checkpoint_layers
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 28}))
+    assert checkpoint_layers(tmp_path) == 28
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 36}}))
+    assert checkpoint_layers(str(tmp_path)) == 36
+
+
 def test_peers_prompts_are_seeded_and_distinct() -> None:
     from coordinator.bench.peers import ORDINARY_TOKENS, prompt_ids
 
