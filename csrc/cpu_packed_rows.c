@@ -17,9 +17,10 @@
    products alone as fast. A panel read again for more rows is left to the hardware prefetcher, since a
    non-temporal line may be gone before the second pass.
 
-   Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments
-   it refuses, -2 when built without AVX-512. */
+   Built for the CPU it runs on (-march=native); without AVX-512 (AVX512_BF16 for bfloat16) it only says so.
+   Returns 0, -1 on arguments it refuses, -2 when built without the instructions, -3 when out of memory. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_ROWS 64
@@ -103,6 +104,108 @@ int strata_packed_rows(const float *x, int64_t rows, int64_t k, const float *wp,
                 memcpy(out, q, cols * sizeof(float));
         }
     }
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)wp, (void)n, (void)kp, (void)bias, (void)y, (void)threads;
+    return -2;
+#endif
+}
+
+/* bfloat16. oneDNN packs a bfloat16 [N, K] weight for AVX512_BF16 as panels of 64 output columns over pairs of k:
+   `wp[p][j][c][e]` is W[64p + c][2j + e], j < Kp / 2 with Kp K rounded up to 32, the padding zeros (checked by
+   stages/packed_rows.py). x [M, K] and bias [N] are bfloat16, y [M, N] bfloat16: each output one float32 sum over
+   the k pairs in order (vdpbf16ps), the bias added in float32, rounded to bfloat16 to nearest even. */
+int strata_packed_rows_bf16_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* R rows of pairs xp (row stride ldx pairs) over pairs [j0, j1) of one panel, carried in part as PASS does. */
+#define PASS_BF16(R)                                                                                              \
+    case R: {                                                                                                     \
+        __m512 acc[R][4];                                                                                         \
+        for (int m = 0; m < R; m++)                                                                               \
+            for (int b = 0; b < 4; b++)                                                                           \
+                acc[m][b] = j0 ? _mm512_load_ps(part + m * PANEL + 16 * b) : _mm512_setzero_ps();                 \
+        for (int64_t j = j0; j < j1; j++) {                                                                       \
+            const uint16_t *w = wp + j * PANEL * 2;                                                               \
+            if (nta) {                                                                                            \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL), _MM_HINT_NTA);                               \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 32), _MM_HINT_NTA);                          \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 64), _MM_HINT_NTA);                          \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 96), _MM_HINT_NTA);                          \
+            }                                                                                                     \
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + 32),         \
+                           w2 = (__m512bh)_mm512_load_si512(w + 64), w3 = (__m512bh)_mm512_load_si512(w + 96);    \
+            _Pragma("GCC unroll 6") for (int m = 0; m < R; m++) {                                                  \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[m * ldx + j]);                                  \
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, a);                                                   \
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, a);                                                   \
+                acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, a);                                                   \
+                acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, a);                                                   \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < R; m++)                                                                               \
+            for (int b = 0; b < 4; b++) _mm512_store_ps(part + m * PANEL + 16 * b, acc[m][b]);                    \
+        break;                                                                                                    \
+    }
+
+static void pass_bf16(const int32_t *xp, int64_t ldx, int rows, const uint16_t *wp, int64_t j0, int64_t j1,
+                      float *part, int nta) {
+    switch (rows) { PASS_BF16(1) PASS_BF16(2) PASS_BF16(3) PASS_BF16(4) PASS_BF16(5) PASS_BF16(6) }
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch converts */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* a NaN stays a NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#endif
+
+int strata_packed_rows_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *wp, int64_t n, int64_t kp,
+                            const uint16_t *bias, uint16_t *y, int threads) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || kp < k || kp % 32 || threads < 1 || ((uintptr_t)wp & 63))
+        return -1;
+    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+    int32_t *xs = malloc(rows * pairs * sizeof(int32_t)); /* x as pairs of k, an odd k's pair closed with a zero */
+    if (!xs) return -3;
+    for (int64_t m = 0; m < rows; m++) {
+        uint16_t *dst = (uint16_t *)(xs + m * pairs);
+        memcpy(dst, x + m * k, k * sizeof(uint16_t));
+        if (k % 2) dst[k] = 0;
+    }
+    const int64_t block = rows <= ROWS_PER_PASS ? pairs : K_BLOCK / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float part[MAX_ROWS * PANEL] __attribute__((aligned(64)));
+        const uint16_t *w = wp + p * kp * PANEL;
+        for (int64_t j0 = 0; j0 < pairs; j0 += block) {
+            const int64_t j1 = j0 + block < pairs ? j0 + block : pairs;
+            for (int64_t m = 0; m < rows; m += ROWS_PER_PASS)
+                pass_bf16(xs + m * pairs, pairs, (int)(rows - m < ROWS_PER_PASS ? rows - m : ROWS_PER_PASS), w, j0,
+                          j1, part + m * PANEL, block == pairs);
+        }
+        const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
+        for (int64_t m = 0; m < rows; m++) {
+            uint16_t *out = y + m * n + c0;
+            const float *q = part + m * PANEL;
+            for (int64_t c = 0; c < cols; c++) out[c] = to_bf16(bias ? q[c] + from_bf16(bias[c0 + c]) : q[c]);
+        }
+    }
+    free(xs);
     return 0;
 #else
     (void)x, (void)rows, (void)k, (void)wp, (void)n, (void)kp, (void)bias, (void)y, (void)threads;

@@ -25,10 +25,16 @@ Rules:
 6. A weight's rows can be read back from its panels (`rows`, a gather by torch): the embedding of a stage whose
    lm_head is its embedding table (tied) reads the lm_head's packed memory instead of keeping a plain copy
    (stages/packed_linear.py rule 9).
+7. bfloat16 weights too, on a CPU with AVX512_BF16 (`bf16_available()`, checked once as rule 1 checks float32):
+   oneDNN's panels there hold pairs of k (`[panels][Kp / 2][64][2]`, K rounded up to 32, the padding zeros,
+   checked with the rest of the memory). Each output is one float32 sum over the pairs in order (vdpbf16ps), the
+   bias added in float32, rounded to bfloat16 to nearest even; rule 3 holds for it too. oneDNN read the 104M
+   qwen3's 48 bfloat16 products at 19-22 GB/s for 1-4 rows (docs/BENCHMARKS.md, "bfloat16 rows").
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,6 +46,8 @@ import torch.nn.functional as F
 from stages import cpu_build
 from stages.cpu_build import KernelRefused
 
+log = logging.getLogger("strata.stage")
+
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_packed_rows.c"
 PANEL = 64  # output columns per panel (PANEL in the source)
 K_ALIGN = 16  # K rounded up to this in a panel
@@ -47,7 +55,9 @@ LIMIT_ROWS = 64  # MAX_ROWS in the source: the most rows one call takes
 DEFAULT_ROWS = 8  # rule 2 (1-8 rows: 1.1-2x oneDNN's pace on the machine above; 12 and more: not faster)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"strata_packed_rows": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_isa": []}
+_SIGNATURES = {"strata_packed_rows": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_isa": [],
+               "strata_packed_rows_bf16": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_bf16_isa": []}
+K_ALIGN_BF16 = 32  # K rounded up to this in a bfloat16 panel (pairs of k)
 
 
 def _max_rows() -> int:
@@ -66,13 +76,17 @@ MAX_ROWS = _max_rows()
 @dataclass(frozen=True)
 class Panels:
     """A packed weight's memory in rule 1's layout: `packed` (kept alive here) at `address`, [n, k], k padded to kp;
-    `raw` the same memory as a float32 [panels, kp, PANEL] view."""
+    `raw` the same memory as a view: float32 [panels, kp, PANEL], bfloat16 [panels, kp / 2, PANEL, 2]."""
     packed: torch.Tensor
     address: int
     n: int
     k: int
     kp: int
     raw: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.raw.dtype
 
 
 def build() -> Path:
@@ -95,6 +109,26 @@ def unavailable_reason() -> str | None:
     return _library()[1]
 
 
+@lru_cache(maxsize=1)
+def _bf16() -> str | None:
+    """Rule 7: None where bfloat16 weights are read here too, else why not (checked once per process)."""
+    fns, why = _library()
+    if fns is None:
+        return why
+    if fns["strata_packed_rows_bf16_isa"]() != 1:
+        return "this CPU has no AVX512_BF16"
+    try:
+        _check(fns, torch.bfloat16)
+    except KernelRefused as err:
+        log.warning("Packed-rows kernel for bfloat16 unavailable, oneDNN multiplies: %s", err)
+        return str(err)
+    return None
+
+
+def bf16_available() -> bool:
+    return _bf16() is None
+
+
 def memory(packed: torch.Tensor) -> tuple[int, int] | None:
     """(address, bytes) of an opaque oneDNN tensor's memory, or None with a torch that cannot tell."""
     try:
@@ -105,20 +139,29 @@ def memory(packed: torch.Tensor) -> tuple[int, int] | None:
 
 def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
     """Rule 1's check of one weight: `packed`'s memory is `weight` in panels, else None."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or getattr(packed, "layout", None) != torch._mkldnn:
+    bf16 = weight.dtype == torch.bfloat16
+    if (weight.dtype != torch.float32 and not bf16) or weight.dim() != 2 \
+            or getattr(packed, "layout", None) != torch._mkldnn:
         return None
     n, k = weight.shape
-    kp, np_ = -(-k // K_ALIGN) * K_ALIGN, -(-n // PANEL) * PANEL
+    align = K_ALIGN_BF16 if bf16 else K_ALIGN
+    kp, np_ = -(-k // align) * align, -(-n // PANEL) * PANEL
     held = memory(packed)
     if held is None:
         return None
     address, nbytes = held
-    if nbytes != np_ * kp * 4 or address % 64:
+    if nbytes != np_ * kp * weight.element_size() or address % 64:
         return None
-    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.float32)
+    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=weight.dtype)
+    weight = weight.detach()
+    if bf16:  # pairs of k, the padding zeros (the kernel multiplies an odd K's last pair by them)
+        raw = raw.view(np_ // PANEL, kp // 2, PANEL, 2)
+        padded = weight.new_zeros(np_, kp)
+        padded[:n, :k] = weight
+        same = torch.equal(raw, padded.view(np_ // PANEL, PANEL, kp // 2, 2).transpose(1, 2))
+        return Panels(packed, address, n, k, kp, raw) if same else None
     raw = raw.view(np_ // PANEL, kp, PANEL)
     full = n // PANEL
-    weight = weight.detach()
     same = torch.equal(raw[:full, :k], weight[:full * PANEL].view(full, PANEL, k).transpose(1, 2))
     if same and n % PANEL:
         same = torch.equal(raw[full, :k, :n % PANEL], weight[full * PANEL:].t())
@@ -127,55 +170,69 @@ def _layout(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
 
 def panels(packed: torch.Tensor, weight: torch.Tensor) -> Panels | None:
     """Rule 1: `packed` (oneDNN's packing of `weight`) as the kernel reads it, or None where it cannot."""
-    if weight.dtype != torch.float32 or not available():
+    if not (weight.dtype == torch.float32 and available() or weight.dtype == torch.bfloat16 and bf16_available()):
         return None
     return _layout(packed, weight)
 
 
 def multiply(p: Panels, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, k] float32 times the packed weight (+ bias [n]) -> [rows, n] (rules 2-4)."""
+    """x [rows <= MAX_ROWS, k] in the weight's dtype times the packed weight (+ bias [n]) -> [rows, n] (rules
+    2-4)."""
     x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    out = torch.empty(x.shape[0], p.n, dtype=torch.float32)
-    rc = _library()[0]["strata_packed_rows"](x.data_ptr(), x.shape[0], p.k, p.address, p.n, p.kp,
-                                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                             torch.get_num_threads())
+    out = torch.empty(x.shape[0], p.n, dtype=p.dtype)
+    name = "strata_packed_rows" if p.dtype == torch.float32 else "strata_packed_rows_bf16"
+    rc = _library()[0][name](x.data_ptr(), x.shape[0], p.k, p.address, p.n, p.kp,
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"strata_packed_rows refused a product of {x.shape[0]} rows by [{p.n}, {p.k}] ({rc})")
+        raise ValueError(f"{name} refused a product of {x.shape[0]} rows by [{p.n}, {p.k}] ({rc})")
     return out
 
 
 def rows(p: Panels, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight, [len(ids), k], read from its panels (rule 6): the plain weight's values."""
     ids = ids.reshape(-1)
+    if p.dtype == torch.bfloat16:
+        return p.raw[ids // PANEL, :, ids % PANEL].reshape(len(ids), p.kp)[:, :p.k]
     return p.raw[ids // PANEL, :p.k, ids % PANEL]
 
 
 def _self_check(fns: dict[str, object]) -> None:
     """Rule 1: oneDNN's layout here, and the kernel's products against F.linear, on seeded weights."""
-    from stages.packed_linear import PACK_ROWS, _ops_present
+    from stages.packed_linear import _ops_present
 
     if fns["strata_packed_rows_isa"]() != 512:
         raise KernelRefused("this CPU has no AVX-512 (oneDNN's other layouts are not read here)")
     if not _ops_present():
         raise KernelRefused("torch has no oneDNN linear ops")
+    _check(fns, torch.float32)
+
+
+def _check(fns: dict[str, object], dtype: torch.dtype) -> None:
+    """Rules 1 and 7 for one dtype: oneDNN packs seeded weights in the layout read here (odd K and N that are not
+    whole panels among them), and the kernel's products of 1 to MAX_ROWS rows are F.linear's in double to the
+    dtype's rounding."""
+    from stages.packed_linear import PACK_ROWS
+
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
+    name = "strata_packed_rows" if dtype == torch.float32 else "strata_packed_rows_bf16"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
-        for n, k in ((64, 64), (80, 96), (130, 200)):
-            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for n, k in ((64, 64), (80, 96), (130, 201)):
+            w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
             p = _layout(packed, w)
             if p is None:
-                raise KernelRefused(f"oneDNN does not pack a float32 [{n}, {k}] weight here as {PANEL}-column panels")
+                raise KernelRefused(f"oneDNN does not pack a {dtype} [{n}, {k}] weight here as {PANEL}-column "
+                                    "panels")
             for rows in sorted({1, 2, 5, 7, MAX_ROWS}):
-                x = torch.randn(rows, k, generator=g)
-                out = torch.empty(rows, n)
-                if fns["strata_packed_rows"](x.data_ptr(), rows, k, p.address, n, p.kp, b.data_ptr(), out.data_ptr(),
-                                             threads) != 0:
-                    raise KernelRefused(f"strata_packed_rows refused {rows} rows of [{n}, {k}]")
+                x = torch.randn(rows, k, generator=g).to(dtype)
+                out = torch.empty(rows, n, dtype=dtype)
+                if fns[name](x.data_ptr(), rows, k, p.address, n, p.kp, b.data_ptr(), out.data_ptr(), threads) != 0:
+                    raise KernelRefused(f"{name} refused {rows} rows of [{n}, {k}]")
                 want = F.linear(x.double(), w.double(), b.double())
-                if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-4):
-                    raise KernelRefused(f"strata_packed_rows disagrees with F.linear by "
+                if not torch.allclose(out.double(), want, rtol=tol, atol=10 * tol):
+                    raise KernelRefused(f"{name} disagrees with F.linear by "
                                         f"{(out.double() - want).abs().max().item():.2e}")
