@@ -3,7 +3,8 @@
    One query token per entry. Entry e (slot slots[e]) sees the cells [lo[e], lens[e]) of its table; cell p lives at
    flat cell tables[slots[e] * table_stride + p / C] * C + p % C of the layer's pool arrays
    k, v [cells, kv_heads, head_dim]: float32, or int8 with k_scale, v_scale [cells, kv_heads] (value = q * scale,
-   as stages/attention.py dequantizes). Query head r reads kv head r / group, as GQA reads.
+   as stages/attention.py dequantizes), or bfloat16 (each row widened to float32 once per read). Query head r reads
+   kv head r / group, as GQA reads.
 
    A part (a range of one entry's cells, every head) goes by blocks of at most BLOCK cells inside one chunk:
    scores of the block, then an online softmax (running max and sum per query head, the sums rescaled when the
@@ -22,7 +23,10 @@
 
 #define BLOCK 64
 #define MAX_HEADS 128
-#define MAX_ROW 8192 /* kv_heads * head_dim of an int8 pool */
+#define MAX_ROW 8192 /* kv_heads * head_dim of an int8 or bfloat16 pool */
+#define KV_F32 0
+#define KV_INT8 1
+#define KV_BF16 2
 
 /* Cells [p0, p1) of one entry, every kv head: out the unnormalised sum of weighted V rows per query head
    [heads, head_dim], m the running max and l the sum of weights per query head (merged in the caller).
@@ -110,21 +114,38 @@ static inline const float *dequant_row(const int8_t *x, const float *scales, int
     return out;
 }
 
+/* A bfloat16 row [kv_heads * head_dim] widened to float32 into `out`. */
+static inline const float *widen_row(const uint16_t *x, int64_t width, float *out) {
+#pragma omp simd
+    for (int64_t d = 0; d < width; d++) {
+        const uint32_t u = (uint32_t)x[d] << 16;
+        memcpy(out + d, &u, sizeof u);
+    }
+    return out;
+}
+
 #define K_F32(c) (k + (c) * row_stride)
 #define V_F32(c) (v + (c) * row_stride)
 #define K_I8(c) dequant_row(k + (c) * row_stride, k_scale + (c) * kv_heads, kv_heads, head_dim, row)
 #define V_I8(c) dequant_row(v + (c) * row_stride, v_scale + (c) * kv_heads, kv_heads, head_dim, row)
 DEFINE_RANGE(range_f32, float, K_F32, V_F32)
 DEFINE_RANGE(range_i8, int8_t, K_I8, V_I8)
+#define K_BF(c) widen_row(k + (c) * row_stride, row_stride, row)
+#define V_BF(c) widen_row(v + (c) * row_stride, row_stride, row)
+DEFINE_RANGE(range_bf16, uint16_t, K_BF, V_BF)
 
-/* One part through range_f32 or range_i8, head_dim a constant for the usual 64 and 128 (the loops over it
+/* One part through range_f32, range_i8 or range_bf16 (kv_kind KV_F32, KV_INT8, KV_BF16), head_dim a constant for the usual 64 and 128 (the loops over it
    then unroll into whole vectors) and a variable otherwise. */
 #define PART_ARGS q, k, v, k_scale, v_scale, table, p0, p1, kv_heads, group
 #define PART_TAIL chunk_cells, scale, out, m, l
 static void part(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
-                 int kv_int8, const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim,
+                 int kv_kind, const int32_t *table, int p0, int p1, int kv_heads, int group, int head_dim,
                  int chunk_cells, float scale, float *out, float *m, float *l) {
-    if (kv_int8) {
+    if (kv_kind == KV_BF16) {
+        if (head_dim == 64) range_bf16(PART_ARGS, 64, PART_TAIL);
+        else if (head_dim == 128) range_bf16(PART_ARGS, 128, PART_TAIL);
+        else range_bf16(PART_ARGS, head_dim, PART_TAIL);
+    } else if (kv_kind == KV_INT8) {
         if (head_dim == 64) range_i8(PART_ARGS, 64, PART_TAIL);
         else if (head_dim == 128) range_i8(PART_ARGS, 128, PART_TAIL);
         else range_i8(PART_ARGS, head_dim, PART_TAIL);
@@ -135,18 +156,20 @@ static void part(const float *q, const void *k, const void *v, const float *k_sc
     }
 }
 
-/* q [entries, kv_heads * group, head_dim]; out the same shape; k_scale, v_scale NULL for a float32 pool.
+/* q [entries, kv_heads * group, head_dim]; out the same shape; kv_kind KV_F32, KV_INT8 or KV_BF16; k_scale,
+   v_scale the int8 pool's scales, NULL otherwise.
    Entry e's cells are cut into parts of `part_cells` from lo[e] / part_cells * part_cells on, parts
    part_first[e] .. part_first[e + 1] - 1, so one long conversation still shares out over the threads; `work`
    holds each part's partial sums: parts_total * heads * (head_dim + 2) floats. */
 int strata_paged_decode(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
-                        int kv_int8, const int32_t *tables, int64_t table_stride, const int32_t *slots,
+                        int kv_kind, const int32_t *tables, int64_t table_stride, const int32_t *slots,
                         const int32_t *lens, const int32_t *lo, int entries, int kv_heads, int group, int head_dim,
                         int chunk_cells, float scale, int part_cells, const int32_t *part_first, float *work,
                         float *out, int threads) {
     const int heads = kv_heads * group;
     if (entries < 0 || kv_heads < 1 || group < 1 || heads > MAX_HEADS || head_dim < 1 || chunk_cells < 1 ||
-        part_cells < 1 || threads < 1 || (kv_int8 && (!k_scale || !v_scale || kv_heads * head_dim > MAX_ROW)))
+        part_cells < 1 || threads < 1 || kv_kind < KV_F32 || kv_kind > KV_BF16 ||
+        (kv_kind == KV_INT8 && (!k_scale || !v_scale)) || (kv_kind != KV_F32 && kv_heads * head_dim > MAX_ROW))
         return -1;
     const int parts = part_first[entries];
     const int64_t part_floats = (int64_t)heads * (head_dim + 2);
@@ -163,7 +186,7 @@ int strata_paged_decode(const float *q, const void *k, const void *v, const floa
             const float *qe = q + (int64_t)e * heads * head_dim;
             const int32_t *table = tables + (int64_t)slots[e] * table_stride;
             float *m = w + (int64_t)heads * head_dim, *l = w + (int64_t)heads * (head_dim + 1);
-            part(qe, k, v, k_scale, v_scale, kv_int8, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale, w,
+            part(qe, k, v, k_scale, v_scale, kv_kind, table, p0, p1, kv_heads, group, head_dim, chunk_cells, scale, w,
                  m, l);
         }
 #pragma omp for schedule(static)

@@ -8,14 +8,15 @@ qwen3 at 12,288 cells: 68 ms per decode token, 48 of them attention; docs/BENCHM
 K and V row of the pool once, in place, through the tables.
 
 Rules:
-1. Only for a decode group (one query token per entry) on a CPU pool of float32 or int8 K/V (int8: the value
-   times its per-cell, per-head scale, as the reference dequantizes; each row converted once per read, at most
-   MAX_ROW values) with float32 queries; every other group, dtype or device goes through the torch reference,
-   unchanged.
+1. Only for a decode group (one query token per entry) on a CPU pool of float32 K/V with float32 queries, int8
+   K/V (the value times its per-cell, per-head scale, as the reference dequantizes) with float32 queries, or
+   bfloat16 K/V with bfloat16 queries (a bfloat16 stage: the queries widened to float32, the output rounded back);
+   an int8 or bfloat16 row is converted once per read, at most MAX_ROW values. Every other group, dtype or device
+   goes through the torch reference, unchanged.
 2. Same call and result as the reference for that group: entry e sees cells [lo_e, ctx_e), lo_e = max(0, ctx_e -
    window) under a sliding window; query head h reads kv head h // (heads / kv_heads). Values agree with the
-   reference to float32 rounding (the order of the sums differs); the tests and the first-use check hold it to
-   that.
+   reference to float32 rounding (the order of the sums differs; bfloat16: to its rounding of the output); the
+   tests and the first-use check hold it to that.
 3. An entry's cells are cut into parts, scored in blocks inside one chunk with an online softmax, and the parts
    merged by their maxima (flash-decoding), so one long conversation still uses every thread: a part is the
    group's cells over 4 parts per thread, within [MIN_PART_CELLS, MAX_PART_CELLS], in whole blocks of 64.
@@ -46,7 +47,8 @@ SYMBOL = "strata_paged_decode"
 MIN_PART_CELLS, MAX_PART_CELLS = 128, 1024  # rule 3
 BLOCK = 64  # BLOCK in the source
 MAX_HEADS = 128  # MAX_HEADS in the source
-MAX_ROW = 8192  # MAX_ROW in the source: kv_heads * head_dim of an int8 pool
+MAX_ROW = 8192  # MAX_ROW in the source: kv_heads * head_dim of an int8 or bfloat16 pool
+KV_KIND = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # KV_F32, KV_INT8, KV_BF16 in the source
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _ARGTYPES = [_P, _P, _P, _P, _P, _I, _P, ctypes.c_int64, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P,
@@ -76,9 +78,10 @@ def unavailable_reason() -> str | None:
 
 def usable(kv: KVCache, q: torch.Tensor) -> bool:
     """Rule 1 for this pool and these queries."""
-    return (kv.device.type == "cpu" and q.device.type == "cpu" and q.dtype == torch.float32
-            and kv.dtype in (torch.float32, torch.int8) and q.shape[1] <= MAX_HEADS
-            and (not kv.quantized or kv.kv_heads * kv.head_dim <= MAX_ROW) and available())
+    pair = (q.dtype, kv.dtype) in ((torch.float32, torch.float32), (torch.float32, torch.int8),
+                                   (torch.bfloat16, torch.bfloat16))
+    return (kv.device.type == "cpu" and q.device.type == "cpu" and pair and q.shape[1] <= MAX_HEADS
+            and (kv.dtype == torch.float32 or kv.kv_heads * kv.head_dim <= MAX_ROW) and available())
 
 
 def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, batch: StepBatch, index: int, scale: float,
@@ -137,17 +140,18 @@ def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, plan: Plan, scale: float)
     if n != plan.entries:
         raise ValueError(f"the decode group has {plan.entries} entries, the queries {n} rows")
     _, tables_on, parts = plan.fixed(kv, heads, head_dim)
-    q = q.contiguous()
+    dtype = q.dtype
+    q = q.float().contiguous()  # a bfloat16 stage's queries widened (rule 1)
     out = torch.empty(n, heads * head_dim, dtype=torch.float32)
     if kv.quantized:
         k_scale, v_scale = kv.k_scale[layer].data_ptr(), kv.v_scale[layer].data_ptr()
     else:
         k_scale = v_scale = None
-    rc = fn(q.data_ptr(), kv.k[layer].data_ptr(), kv.v[layer].data_ptr(), k_scale, v_scale, int(kv.quantized),
+    rc = fn(q.data_ptr(), kv.k[layer].data_ptr(), kv.v[layer].data_ptr(), k_scale, v_scale, KV_KIND[kv.dtype],
             *tables_on, float(scale), *parts, out.data_ptr(), plan.threads)
     if rc != 0:
         raise ValueError(f"the CPU decode kernel refused {n} entries x {heads} heads x {head_dim}")
-    return out
+    return out.to(dtype)
 
 
 def _self_check(fn) -> None:
@@ -157,20 +161,22 @@ def _self_check(fn) -> None:
     g = torch.Generator().manual_seed(0)
     c, chunks, kv_heads, heads, head_dim = 16, 40, 2, 6, 32
     batch = StepBatch.from_slots([[0, 190, 1, 1], [1, 5, 1, 1], [2, 77, 1, 1]])
-    for kv_dtype in (torch.float32, "int8"):
+    for kv_dtype in (torch.float32, "int8", torch.bfloat16):
         kv = KVCache(1, chunks, c, kv_heads, head_dim, kv_dtype, "cpu", n_slots=3, table_chunks=12)
         order = torch.randperm(chunks, generator=g).tolist()
         for s in range(3):
             kv.set_table(s, order[s * 12:(s + 1) * 12])
         write_kv(kv, 0, StepBatch.from_slots([[0, 0, 190, 0], [1, 0, 5, 0], [2, 0, 77, 0]]),  # the contexts
                  torch.randn(272, kv_heads, head_dim, generator=g), torch.randn(272, kv_heads, head_dim, generator=g))
-        q = torch.randn(3, heads, head_dim, generator=g)
+        q = torch.randn(3, heads, head_dim, generator=g).to(torch.bfloat16 if kv_dtype == torch.bfloat16 else
+                                                             torch.float32)
         write_kv(kv, 0, batch, torch.randn(3, kv_heads, head_dim, generator=g),
                  torch.randn(3, kv_heads, head_dim, generator=g))
         with torch.inference_mode():
             for window in (None, 50):
                 want = paged_attention(q, kv, 0, batch, 0.2, window, cpu_kernel=False)
                 got = _run(fn, q, kv, 0, Plan(batch.groups[0], window, 2, part=32), 0.2)  # several parts merged
-                if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                tol = (1e-4, 1e-5) if kv_dtype != torch.bfloat16 else (2e-2, 2e-2)
+                if not torch.allclose(got.float(), want.float(), rtol=tol[0], atol=tol[1]):
                     raise KernelRefused(f"the compiled kernel disagrees with the torch reference by "
                                         f"{(got - want).abs().max().item():.2e} ({kv_dtype} pool, window {window})")

@@ -69,9 +69,36 @@ def test_a_step_of_decodes_and_a_prompt_piece_takes_the_kernel_for_the_decodes_o
     torch.testing.assert_close(paged_attention(q, kv, 0, batch, 0.3), want, rtol=1e-5, atol=2e-6)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 64), (1, 8, 128), (8, 2, 16)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_bfloat16_pool_gives_the_float32_attention_of_its_values_to_bfloat16_rounding(kv_heads, group, head_dim,
+                                                                                        window):
+    """Rule 1: bfloat16 queries over a bfloat16 pool, against the reference in float32 over the same values."""
+    c, table_chunks, seed = 16, 20, kv_heads * 10 + head_dim
+    kv16 = _pool(seed, kv_heads, head_dim, c, 4 * table_chunks + 3, 4, table_chunks, "bfloat16")
+    kv32 = _pool(seed, kv_heads, head_dim, c, 4 * table_chunks + 3, 4, table_chunks)
+    for a, b in zip(kv32.arrays(), kv16.arrays()):
+        a.copy_(b)
+    g = torch.Generator().manual_seed(8)
+    contexts = [1, 17, 200, 319]
+    batch = StepBatch.from_slots([[s, ctx - 1, 1, 1] for s, ctx in enumerate(contexts)])
+    q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(len(contexts), kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+    write_kv(kv16, 0, batch, k, v)
+    write_kv(kv32, 0, batch, k.float(), v.float())
+    assert cpu_attention.usable(kv16, q)
+    got = paged_attention(q, kv16, 0, batch, head_dim**-0.5, window)
+    want = paged_attention(q.float(), kv32, 0, batch, head_dim**-0.5, window, cpu_kernel=False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
+
+
 def test_other_pools_and_dtypes_stay_on_the_reference():
     q = torch.randn(1, 4, 32)
-    assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="bfloat16"), q.bfloat16())
+    assert cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="bfloat16"), q.bfloat16()) == \
+        cpu_attention.available()  # a bfloat16 stage (rule 1)
+    assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="bfloat16"), q)
     assert not cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2), q.bfloat16())
     assert cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2, kv_dtype="int8"), q) == cpu_attention.available()
     assert cpu_attention.usable(_pool(0, 2, 32, 16, 4, 1, 2), q) == cpu_attention.available()
