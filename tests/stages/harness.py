@@ -8,7 +8,9 @@ makes them and closes them after the test.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
 
 from pool.chunk_map import ChunkMap, StaticMap
@@ -73,3 +75,17 @@ class Local:
     def close(self, unlink: bool = True) -> None:
         for r in self.runners:
             r.close(unlink=unlink)
+
+
+def use_wrong_source(module: ModuleType, edit: tuple[str, str], tmp_path: Path,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point a CPU library module (stages/cpu_ops.py, stages/decode_layer.py, ...) at its source with `edit`
+    applied, built into a fresh kernel cache: its first-use check then decides on the wrong library. The caller
+    clears the module's `_library` cache before and after (a `fresh_library` fixture)."""
+    source = module.SOURCE.read_text()
+    wrong = source.replace(*edit)
+    assert wrong != source, f"{edit[0]!r} is not in {module.SOURCE.name}"
+    bad = tmp_path / "bad.c"
+    bad.write_text(wrong)
+    monkeypatch.setattr(module, "SOURCE", bad)
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))

@@ -13,6 +13,7 @@ from stages.kv_cache import KVCache
 from stages.model import StageModel, qk_norm, rms_norm
 from stages.rope import apply_rope
 from stages.tiny import make_tiny_model
+from tests.stages.harness import use_wrong_source
 
 needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason=f"no CPU layer ops here: "
                                f"{cpu_ops.unavailable_reason()}")
@@ -141,12 +142,6 @@ def test_without_a_compiler_or_when_turned_off_the_torch_code_runs(fresh_library
                                   ("(g[i] / (1.0f + exp_f(-g[i]))) * u[i]", "(g[i] / (1.0f + exp_f(g[i]))) * u[i]")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against the torch code; a source with any one function off fails it."""
-    source = cpu_ops.SOURCE.read_text()
-    wrong = source.replace(*edit)
-    assert wrong != source
-    bad = tmp_path / "bad.c"
-    bad.write_text(wrong)
-    fresh_library.setattr(cpu_ops, "SOURCE", bad)
-    fresh_library.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    use_wrong_source(cpu_ops, edit, tmp_path, fresh_library)
     assert not cpu_ops.available()
     assert "disagrees with torch" in cpu_ops.unavailable_reason()

@@ -12,6 +12,7 @@ from stages.checkpoint import load_checkpoint
 from stages.kv_cache import KVCache
 from stages.model import StageModel
 from stages.tiny import make_tiny_model
+from tests.stages.harness import use_wrong_source
 
 needs_layer = pytest.mark.skipif(not decode_layer.available(), reason=f"no decode layer here: "
                                  f"{decode_layer.unavailable_reason()}")
@@ -155,13 +156,7 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
                                   ("nearbyintf(x[i] / by)", "truncf(x[i] / by)")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
-    source = decode_layer.SOURCE.read_text()
-    wrong = source.replace(*edit)
-    assert wrong != source
-    bad = tmp_path / "bad.c"
-    bad.write_text(wrong)
-    fresh_library.setattr(decode_layer, "SOURCE", bad)
-    fresh_library.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    use_wrong_source(decode_layer, edit, tmp_path, fresh_library)
     if not all(p.available() for p in (decode_layer.cpu_ops, decode_layer.packed_rows, decode_layer.cpu_attention)):
         pytest.skip("the parts the decode layer runs are not available here")
     assert not decode_layer.available()
