@@ -14,8 +14,8 @@
    The pool's arrays are [cells, kv_heads * head_dim]: float32 (k_scale, v_scale NULL), or int8 with float32
    scales [cells, kv_heads], each new row quantized per kv head as stages/attention.py's quantize_int8 does
    (scale = absmax / 127, value = x / max(scale, FLT_MIN) rounded half to even, clamped to +-127). `out` may be
-   `x`. Scratch holds strata_decode_layer_scratch(...) floats. Returns 0, -1 on arguments it refuses (nothing written), or what a
-   product returned. */
+   `x`. Scratch holds strata_decode_layer_scratch(...) floats. Returns 0, -1 on arguments it refuses (nothing
+   written), or what a product returned. */
 #include <float.h>
 #include <math.h>
 

@@ -51,10 +51,10 @@ int strata_packed_rows_isa(void) {
         for (int64_t k = k0; k < k1; k++) {                                                                       \
             const float *w = wp + k * PANEL;                                                                      \
             if (nta) {                                                                                            \
-                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL), _MM_HINT_NTA);                                       \
-                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 16), _MM_HINT_NTA);                                  \
-                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 32), _MM_HINT_NTA);                                  \
-                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 48), _MM_HINT_NTA);                                  \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL), _MM_HINT_NTA);                               \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 16), _MM_HINT_NTA);                          \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 32), _MM_HINT_NTA);                          \
+                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + 48), _MM_HINT_NTA);                          \
             }                                                                                                     \
             const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32),         \
                          w3 = _mm512_load_ps(w + 48);                                                             \

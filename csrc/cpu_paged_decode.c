@@ -134,8 +134,8 @@ DEFINE_RANGE(range_i8, int8_t, K_I8, V_I8)
 #define V_BF(c) widen_row(v + (c) * row_stride, row_stride, row)
 DEFINE_RANGE(range_bf16, uint16_t, K_BF, V_BF)
 
-/* One part through range_f32, range_i8 or range_bf16 (kv_kind KV_F32, KV_INT8, KV_BF16), head_dim a constant for the usual 64 and 128 (the loops over it
-   then unroll into whole vectors) and a variable otherwise. */
+/* One part through range_f32, range_i8 or range_bf16 (kv_kind KV_F32, KV_INT8, KV_BF16), head_dim a constant for
+   the usual 64 and 128 (the loops over it then unroll into whole vectors) and a variable otherwise. */
 #define PART_ARGS q, k, v, k_scale, v_scale, table, p0, p1, kv_heads, group
 #define PART_TAIL chunk_cells, scale, out, m, l
 static void part(const float *q, const void *k, const void *v, const float *k_scale, const float *v_scale,
