@@ -131,8 +131,9 @@ class Plan:
             self._fixed[key] = (work, (kv.tables.data_ptr(), kv.tables.shape[1], ints[0].data_ptr(),
                                        ints[1].data_ptr(), ints[2].data_ptr(), self.entries, kv.kv_heads,
                                        heads // kv.kv_heads, head_dim, kv.chunk_cells),
-                                (self.part, self.part_first.data_ptr(), work.data_ptr()))
-        return self._fixed[key]
+                                (self.part, self.part_first.data_ptr(), work.data_ptr()),
+                                kv)  # held: the addresses above stay its, and its id no other pool's
+        return self._fixed[key][:3]
 
 
 def _run(fn, q: torch.Tensor, kv: KVCache, layer: int, plan: Plan, scale: float) -> torch.Tensor:

@@ -126,17 +126,19 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
     ckpt = _ckpt(tmp_path, "qwen3")
     model = StageModel(ckpt, 0, 3, dtype=torch.float32)
     calls = Calls(monkeypatch)
-    decode = StepBatch.from_slots([[0, 3, 1, 1]])
+    decode = [[0, 3, 1, 1]]
 
-    def run(m: StageModel, kv: KVCache, batch: StepBatch) -> int:
+    def run(m: StageModel, kv: KVCache, slots: list) -> int:
+        """One step of `slots` (a batch of its own, as each step has) over a new pool."""
         before = calls.n
+        batch = StepBatch.from_slots(slots)
         m.forward(batch, kv, torch.tensor([7] * batch.num_tokens))
         return calls.n - before
 
     assert run(model, _pool(model), decode) == 3
     assert run(model, _pool(model, torch.int8), decode) == 3
-    assert run(model, _pool(model), StepBatch.from_slots([[0, 0, 4, 1]])) == 0  # a prefill piece
-    many = StepBatch.from_slots([[s, 3, 1, 1] for s in range(4)])
+    assert run(model, _pool(model), [[0, 0, 4, 1]]) == 0  # a prefill piece
+    many = [[s, 3, 1, 1] for s in range(4)]
     monkeypatch.setattr(decode_layer.packed_rows, "MAX_ROWS", 3)
     assert run(model, _pool(model), many) == 0  # more rows than the packed-rows kernel takes
     monkeypatch.undo()
