@@ -187,8 +187,8 @@ class Step:
             plan = self.batch.cache[plan_key]
             work, (tables, stride, slots, lens, lo, *_), (part, part_first, _) = plan.fixed(kv, self.heads,
                                                                                            kv.head_dim)
-            floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, s.qkv.n,
-                                                                   self.heads * kv.head_dim, s.gate_up.n)
+            floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, s.qkv.n, self.heads * kv.head_dim,
+                                                             s.gate_up.n)
             scratch = torch.empty(floats, dtype=torch.float32)
             struct = _Step(self.rows, self.hidden, self.heads, kv.kv_heads, kv.head_dim, self.threads, self.eps,
                            self.scale, self.cos.data_ptr(), self.sin.data_ptr(), self.cells.data_ptr(), tables,
@@ -199,6 +199,9 @@ class Step:
 
     def run(self, layer: Layer, kv_layer: int, window: int | None, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for input `x [rows, hidden]` float32, in `self.out` (rule 3)."""
+        if x.shape != (self.rows, self.hidden) or x.dtype != torch.float32:
+            raise ValueError(f"a decode layer takes float32 rows [{self.rows}, {self.hidden}], got {x.dtype} "
+                             f"{list(x.shape)}")  # the C code reads exactly that many values
         if not x.is_contiguous():
             x = x.contiguous()
         kv = self.kv

@@ -163,3 +163,17 @@ def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit
         pytest.skip("the parts the decode layer runs are not available here")
     assert not decode_layer.available()
     assert "disagrees with torch" in decode_layer.unavailable_reason()
+
+
+@needs_layer
+def test_rows_of_another_width_are_refused_before_any_is_read(tmp_path):
+    """A middle stage's hidden rows come from the wire: a width other than the model's is a ValueError, not a read
+    past their end, and the pool is left as it was."""
+    ckpt = _ckpt(tmp_path, "qwen3")
+    model = StageModel(ckpt, 1, 3, dtype=torch.float32)
+    kv = _pool(model)
+    before = [a.clone() for a in _arrays(kv)]
+    for x in (torch.randn(1, 64), torch.randn(1, 256)):
+        with pytest.raises(ValueError):
+            model.forward(StepBatch.from_slots([[0, 3, 1, 1]]), kv, x)
+    assert all(torch.equal(a, b) for a, b in zip(_arrays(kv), before))
