@@ -78,20 +78,31 @@ def unavailable_reason() -> str | None:
 
 def usable(kv: KVCache, q: torch.Tensor) -> bool:
     """Rule 1 for this pool and these queries."""
-    pair = (q.dtype, kv.dtype) in ((torch.float32, torch.float32), (torch.float32, torch.int8),
+    return q.device.type == "cpu" and takes(kv, q.dtype, q.shape[1])
+
+
+def takes(kv: KVCache, q_dtype: torch.dtype, heads: int) -> bool:
+    """Rule 1 for this pool and queries of `q_dtype`, `heads` heads (on the CPU)."""
+    pair = (q_dtype, kv.dtype) in ((torch.float32, torch.float32), (torch.float32, torch.int8),
                                    (torch.bfloat16, torch.bfloat16))
-    return (kv.device.type == "cpu" and q.device.type == "cpu" and pair and q.shape[1] <= MAX_HEADS
+    return (kv.device.type == "cpu" and pair and heads <= MAX_HEADS
             and (kv.dtype == torch.float32 or kv.kv_heads * kv.head_dim <= MAX_ROW) and available())
+
+
+def plan(batch: StepBatch, kv: KVCache, index: int, window: int | None) -> "Plan":
+    """The plan of decode group `batch.groups[index]` over `kv` under `window`: made once per step and shared by
+    every layer, and by stages/decode_layer.py's call for the same group."""
+    key = ("cpu_decode", id(kv), index, window)
+    if key not in batch.cache:
+        batch.cache[key] = Plan(batch.groups[index], window, torch.get_num_threads())
+    return batch.cache[key]
 
 
 def paged_decode(q: torch.Tensor, kv: KVCache, layer: int, batch: StepBatch, index: int, scale: float,
                  window: int | None) -> torch.Tensor:
-    """Rule 2: `q [G, heads, head_dim]` of the decode group `batch.groups[index]` -> `[G, heads * head_dim]`.
-    The group's plan (its slots, contexts and parts) is made once per step and shared by every layer."""
-    key = ("cpu_decode", id(kv), index, window)
-    if key not in batch.cache:
-        batch.cache[key] = Plan(batch.groups[index], window, torch.get_num_threads())
-    return _run(_library()[0], q, kv, layer, batch.cache[key], scale)
+    """Rule 2: `q [G, heads, head_dim]` of the decode group `batch.groups[index]` -> `[G, heads * head_dim]`,
+    through the group's `plan` (its slots, contexts and parts)."""
+    return _run(_library()[0], q, kv, layer, plan(batch, kv, index, window), scale)
 
 
 def part_cells(cells: int, threads: int) -> int:

@@ -167,9 +167,8 @@ class Step:
     @classmethod
     def of(cls, batch: StepBatch, kv: object, cos: torch.Tensor, sin: torch.Tensor, hidden: int, heads: int,
            eps: float, scale: float) -> "Step | None":
-        if not (isinstance(kv, KVCache) and kv.device.type == "cpu" and len(batch.groups) == 1
-                and (kv.dtype == torch.float32 or (kv.quantized and kv.kv_heads * kv.head_dim <= cpu_attention.MAX_ROW))
-                and heads <= cpu_attention.MAX_HEADS):
+        if not (isinstance(kv, KVCache) and len(batch.groups) == 1
+                and cpu_attention.takes(kv, torch.float32, heads)):  # float32 queries: float32 or int8 K/V
             return None
         g, n = batch.groups[0], batch.num_tokens
         if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= packed_rows.MAX_ROWS
@@ -181,10 +180,7 @@ class Step:
         kv, s = self.kv, layer.struct
         key = (window, s.qkv.n, s.gate_up.n)
         if key not in self._structs:
-            plan_key = ("cpu_decode", id(kv), 0, window)  # the plan cpu_attention.paged_decode makes (rule 2)
-            if plan_key not in self.batch.cache:
-                self.batch.cache[plan_key] = cpu_attention.Plan(self.batch.groups[0], window, self.threads)
-            plan = self.batch.cache[plan_key]
+            plan = cpu_attention.plan(self.batch, kv, 0, window)  # paged_decode's own (rule 2)
             work, (tables, stride, slots, lens, lo, *_), (part, part_first, _) = plan.fixed(kv, self.heads,
                                                                                            kv.head_dim)
             floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, s.qkv.n, self.heads * kv.head_dim,

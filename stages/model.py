@@ -436,7 +436,7 @@ class StageModel:
         """The step's arguments to stages/decode_layer.py's one call per dense layer, or None where its rule 1
         keeps the Python path for the whole step."""
         s = self.spec
-        if not (self.cpu_ops and not s.gated and any(self.decode_layers())):
+        if not (self.cpu_ops and any(self.decode_layers())):  # none for a gated arch
             return None
         return decode_layer.Step.of(batch, kv, cos, sin, s.hidden_size, s.num_heads, s.rms_norm_eps, self.scale)
 

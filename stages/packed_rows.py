@@ -58,6 +58,7 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"strata_packed_rows": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_isa": [],
                "strata_packed_rows_bf16": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_bf16_isa": []}
 K_ALIGN_BF16 = 32  # K rounded up to this in a bfloat16 panel (pairs of k)
+_KERNEL = {torch.float32: "strata_packed_rows", torch.bfloat16: "strata_packed_rows_bf16"}  # by the weight's dtype
 
 
 def _max_rows() -> int:
@@ -182,7 +183,7 @@ def multiply(p: Panels, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(x.shape[0], p.n, dtype=p.dtype)
-    name = "strata_packed_rows" if p.dtype == torch.float32 else "strata_packed_rows_bf16"
+    name = _KERNEL[p.dtype]
     rc = _library()[0][name](x.data_ptr(), x.shape[0], p.k, p.address, p.n, p.kp,
                              None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -217,7 +218,7 @@ def _check(fns: dict[str, object], dtype: torch.dtype) -> None:
 
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
-    name = "strata_packed_rows" if dtype == torch.float32 else "strata_packed_rows_bf16"
+    name = _KERNEL[dtype]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         for n, k in ((64, 64), (80, 96), (130, 201)):
