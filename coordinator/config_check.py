@@ -218,22 +218,24 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
     dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else m.dtype
     keep = _keeps_int4(cfg, dtype)
     size = DTYPE_BYTES[dtype]
+    cpu = _all_cpu(cfg)
     tensors: list[tuple[str, int, int, bool]] = []
     kept: dict[str, int] = {}
     for name, t in m.tensors.items():
         embedding = name == "model.embed_tokens.weight"
-        packed = kept_bytes(t.type, t.shape, size, embedding) if keep else None
+        packed = kept_bytes(t.type, t.shape, size, embedding, cpu) if keep else None
         if packed is None:
             tensors.append((name, t.numel * size, t.numel, True))
             continue
         kept[t.type] = kept.get(t.type, 0) + 1
         tensors.append((name, packed, t.numel, False))
         if embedding and m.config.get("tie_word_embeddings"):  # the last stage multiplies by it: a QuantLinear
-            tensors.append(("lm_head.weight", kept_bytes(t.type, t.shape, size) or 0, t.numel, False))
+            tensors.append(("lm_head.weight", kept_bytes(t.type, t.shape, size, cpu=cpu) or 0, t.numel, False))
     quantized = m.quantized_types()
     if quantized:
         kinds = ", ".join(f"{n} tensors as {kind}" for kind, n in sorted(quantized.items()))
-        held = ", ".join(f"{kind} as {PLANE_COUNTS[kind]} int4 plane{'s' * (PLANE_COUNTS[kind] > 1)}"
+        held = ", ".join(f"{kind} as bytes" if cpu and PLANE_COUNTS[kind] == 2 else
+                         f"{kind} as {PLANE_COUNTS[kind]} int4 plane{'s' * (PLANE_COUNTS[kind] > 1)}"
                          for kind in sorted(kept)) or "none"
         rest = sorted(set(quantized) - set(kept))
         notes.append(f"model: {m.path.name} stores {kinds}; kept quantized: {held}"
@@ -246,6 +248,11 @@ def _keeps_int4(cfg: Config, dtype: str) -> bool:
     """Whether every stage keeps int4 planes packed in `dtype` (pool/computable.keeps_int4, the stages' rule);
     when one would not (a CUDA stage in float16 / float32), all are counted dequantized."""
     return all(keeps_int4(dtype, s.device.split(":")[0]) for s in cfg.stages)
+
+
+def _all_cpu(cfg: Config) -> bool:
+    """Every stage a CPU stage: two int4 planes are then counted as bytes (pool/gguf_meta.int4_bytes)."""
+    return all(s.device == "cpu" for s in cfg.stages)
 
 
 def _fp8_as_loaded(tensors: list[tuple[str, int, int, bool]], stored: dict[str, str], conf: dict,
@@ -280,7 +287,8 @@ def _int4_as_loaded(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf
     for name, _, words, _ in tensors:
         if name.endswith(".qweight"):
             numel = words * per_word
-            loaded = int4_bytes(1 if bits == 4 else 2, numel, scheme["group"], size) if keep else numel * size
+            loaded = (int4_bytes(1 if bits == 4 else 2, numel, scheme["group"], size, _all_cpu(cfg)) if keep
+                      else numel * size)
             out.append((name[: -len("qweight")] + "weight", loaded, numel, False))
     how = "kept quantized as int4 planes" if keep else f"dequantized at load to {dtype}"
     notes.append(f"model: {scheme['method'].upper()} {bits}-bit, group_size {scheme['group']}: projections {how}; the "

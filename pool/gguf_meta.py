@@ -88,11 +88,13 @@ _YARN_UNMAPPED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: bool = False) -> int | None:
+def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: bool = False,
+               cpu: bool = False) -> int | None:
     """Bytes a weight of GGUF type `kind` takes kept quantized (stages/quant_linear.py), None when it is not kept:
     per plane 4 bits per weight and per 32 weights a scale and a zero in the compute dtype (a QuantLinear), or
-    float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding). A CPU stage pads a
-    packed weight's rows to a multiple of 64 (not counted: a real model's row counts are multiples of 64)."""
+    float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding); on a CPU stage (`cpu`)
+    two planes are held as bytes (`int4_bytes`). A CPU stage pads a packed weight's rows to a multiple of 64 (not
+    counted: a real model's row counts are multiples of 64)."""
     planes = PLANE_COUNTS.get(kind)
     if planes is None or len(shape) != 2:
         return None
@@ -100,11 +102,15 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
     groups = rows * cols // 32
     if embedding:
         return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
-    return int4_bytes(planes, rows * cols, 32, dtype_bytes)
+    return int4_bytes(planes, rows * cols, 32, dtype_bytes, cpu)
 
 
-def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int) -> int:
-    """A QuantLinear's bytes: per plane 4 bits per weight, and a scale and a zero per `group` weights."""
+def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int, cpu: bool = False) -> int:
+    """A QuantLinear's bytes: per plane 4 bits per weight, and a scale and a zero per `group` weights. On a CPU stage
+    (`cpu`) two planes are one byte per weight and a float32 scale and offset per group (stages/byte_rows.py's
+    ByteLinear, on a CPU with AVX-512; without it the planes, which differ only in float32)."""
+    if cpu and planes == 2:
+        return numel + 8 * (numel // group)
     return planes * (numel // 2 + 2 * dtype_bytes * (numel // group))
 
 

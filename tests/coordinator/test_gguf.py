@@ -119,7 +119,7 @@ def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> Non
     assert [s.pool_bytes for s in got.stages] == [s.pool_bytes for s in want.stages]
     # Quantized, kept quantized on CPU stages in any dtype: the figures are the stages' own weight bytes as loaded.
     q32 = check(config_from_dict(_box(q8, [(0, 2), (2, 4)], dtype="float32")))
-    assert any("30 tensors as Q8_0" in n and "kept quantized: Q8_0 as 2 int4 planes" in n for n in q32.notes)
+    assert any("30 tensors as Q8_0" in n and "kept quantized: Q8_0 as bytes" in n for n in q32.notes)
     auto = check(config_from_dict(_box(q8, [(0, 2), (2, 4)])))
     assert auto.kv_dtype == "bfloat16"
     # a CUDA stage keeps them only in bfloat16: float32 on a box with one counts them dequantized

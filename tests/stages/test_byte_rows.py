@@ -1,0 +1,131 @@
+"""Two int4 planes held as bytes (stages/byte_rows.py, csrc/cpu_byte_rows.c).
+
+Oracles: `gguf.quants.dequantize` of the same blocks and F.linear over it in float64; the kernel's own rule that a
+row's values do not depend on the other rows of a call; and the first-use check, which must refuse a wrong source.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import byte_rows
+from stages.byte_rows import MAX_ROWS, ByteLinear
+from stages.quant_linear import QuantLinear, pack, planes_from_gguf
+from tests.stages.harness import use_wrong_source
+
+gguf = pytest.importorskip("gguf")
+needs_kernel = pytest.mark.skipif(not byte_rows.available(), reason=f"no byte-rows kernel here: "
+                                  f"{byte_rows.unavailable_reason()}")
+N, K = 100, 512  # 100 rows: the threads' shares are not equal
+TWO_PLANES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K"]
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    byte_rows._library.cache_clear()
+    yield monkeypatch
+    byte_rows._library.cache_clear()
+
+
+def blocks(kind: str, seed: int = 0) -> np.ndarray:
+    """Raw blocks of a [N, K] tensor: gguf's quantizer where it has one, else random bytes with sane f16 scales."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[kind]
+    if not kind.endswith("_K"):
+        return gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), t)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (N * K // block, size), dtype=np.uint8)
+    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    return raw.reshape(N, -1)
+
+
+def weights(kind: str, seed: int = 0):
+    raw = blocks(kind, seed)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(N, K)
+    return planes_from_gguf(kind, raw, (N, K)), w
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", TWO_PLANES)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1, 40])
+def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
+    """Rules 1-3: packed as bytes; the kernel (up to MAX_ROWS rows) and dequantize + GEMM (more) both multiply
+    gguf's own dequantized weight: float32 to float32 rounding, bfloat16 within one rounding of the output."""
+    planes, w = weights(kind)
+    assert byte_rows.takes(planes)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    want = F.linear(x.double(), w.double(), bias.double())
+    q32 = pack(planes, torch.float32, "cpu")
+    assert isinstance(q32, ByteLinear) and q32.nbytes == N * K * 5 // 4  # a byte per value, 2 floats per 32
+    got = q32(x, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, N)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    qb = pack(planes, torch.bfloat16, "cpu")
+    xb = x.bfloat16()
+    ref = F.linear(xb.double(), w.double())
+    got = qb(xb)
+    assert got.dtype == torch.bfloat16
+    tol = 2e-2 if rows > MAX_ROWS else 8e-3  # the GEMM also rounds the weight to bfloat16
+    assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_values_do_not_depend_on_the_other_rows(dtype) -> None:
+    """Rule 2: the same row alone and among up to MAX_ROWS others gives the same bits (a decode step's row does
+    not change with the requests beside it)."""
+    planes, _ = weights("Q8_0")
+    q = pack(planes, dtype, "cpu")
+    x = torch.randn(MAX_ROWS, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    alone = torch.cat([q(x[i:i + 1]) for i in range(MAX_ROWS)])
+    for rows in range(2, MAX_ROWS + 1):
+        assert torch.equal(q(x[:rows]), alone[:rows]), rows
+
+
+def test_the_switch_keeps_the_int4_planes(fresh_library) -> None:
+    """Rule 5: STRATA_BYTE_ROWS=0 leaves two planes to stages/quant_linear.py."""
+    fresh_library.setenv("STRATA_BYTE_ROWS", "0")
+    planes, _ = weights("Q8_0")
+    assert not byte_rows.available() and byte_rows.unavailable_reason() == "STRATA_BYTE_ROWS=0"
+    assert isinstance(pack(planes, torch.bfloat16, "cpu"), QuantLinear)
+
+
+def test_other_forms_keep_the_int4_planes() -> None:
+    """Rule 1: one plane (Q4_K), or two whose high scale is not 16 times the low one, stay QuantLinear."""
+    one, _ = weights("Q4_0")
+    assert not byte_rows.takes(one) and isinstance(pack(one, torch.float32, "cpu"), QuantLinear)
+    two, _ = weights("Q8_0")
+    two.scales[1] = two.scales[1] * 1.5
+    assert not byte_rows.takes(two) and isinstance(pack(two, torch.float32, "cpu"), QuantLinear)
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_cannot_compute() -> None:
+    """Arguments out of its range are an error, not a read past the arrays: rows 0 or over MAX_ROWS, a group that is
+    not a multiple of 16."""
+    planes, _ = weights("Q8_0")
+    q = ByteLinear(planes, torch.float32)
+    fns = byte_rows._library()[0]
+    for x, group in ((torch.randn(0, K), 32), (torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 24)):
+        with pytest.raises(ValueError, match="refused"):
+            byte_rows._multiply(fns, x, q.q, q.scale, q.offset, group, None)
+
+
+@pytest.mark.parametrize("edit", [
+    ("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),  # the offsets forgotten
+    ("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
+    ("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
+])
+def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
+    """Rule 5: the first-use check against float64 F.linear; a source wrong in one place fails it, and the planes
+    keep stages/quant_linear.py's packing."""
+    use_wrong_source(byte_rows, edit, tmp_path, fresh_library)
+    if "no AVX-512" in (byte_rows.unavailable_reason() or ""):
+        pytest.skip("no AVX-512 here: the kernel is refused before it is checked")
+    assert not byte_rows.available()
+    assert "disagrees with F.linear" in byte_rows.unavailable_reason()
+    planes, _ = weights("Q8_0")
+    assert isinstance(pack(planes, torch.float32, "cpu"), QuantLinear)
