@@ -5,7 +5,7 @@
    formats of two int4 planes (Q8_0, Q5_0, Q5_1, Q5_K) and 8-bit GPTQ have this form.
 
    y[m][n] = sum over g of (s[n][g] * sum over k in g of q[n][k] * x[m][k]) + b[n][g] * X[m][g] (+ bias[n]), for
-   M <= MAX_ROWS rows of x [M, K] (float32, contiguous), X[m][g] the sum of row m's values in group g (summed
+   M <= BYTE_MAX_ROWS rows of x [M, K] (float32, contiguous), X[m][g] the sum of row m's values in group g (summed
    first, in k order). Per output: one 16-lane accumulator over the groups in order (each group's values scaled
    once, then a fused multiply-add per 16 of k), its lanes summed in a fixed tree, then the offsets' sum (each
    offset times its group's sum of x by one fused multiply-add, so no build contracts it otherwise), then the
@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_ROWS 8
+#define BYTE_MAX_ROWS 8
 
 int strata_byte_rows_isa(void) {
 #ifdef __AVX512F__
@@ -39,7 +39,7 @@ static inline __m512 bytes16(const uint8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
 }
 
-#define ROWS(R)                                                                                                   \
+#define BYTE_ROWS(R)                                                                                                   \
     case R: {                                                                                                     \
         __m512 acc[R];                                                                                            \
         float off[R];                                                                                             \
@@ -64,7 +64,7 @@ static inline __m512 bytes16(const uint8_t *q) {
 int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, const float *s, const float *b,
                      int64_t n, int64_t group, const float *bias, float *y, int threads) {
 #ifdef __AVX512F__
-    if (rows < 1 || rows > MAX_ROWS || kk < 1 || n < 1 || group < 16 || group % 16 || kk % group || threads < 1)
+    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 16 || group % 16 || kk % group || threads < 1)
         return -1;
     const int64_t groups = kk / group;
     float *sums = malloc(sizeof(float) * rows * groups);
@@ -79,7 +79,7 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * kk;
         const float *sn = s + i * groups, *bn = b + i * groups;
-        switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
+        switch (rows) { BYTE_ROWS(1) BYTE_ROWS(2) BYTE_ROWS(3) BYTE_ROWS(4) BYTE_ROWS(5) BYTE_ROWS(6) BYTE_ROWS(7) BYTE_ROWS(8) }
     }
     free(sums);
     return 0;

@@ -1,6 +1,6 @@
 /* A dense decoder layer of a CPU stage over a step of decode rows, in one call (stages/decode_layer.py).
 
-   The layer of stages/model.py, step for step, with the functions its Python path calls (the three sources
+   The layer of stages/model.py, step for step, with the functions its Python path calls (the four sources
    included below, compiled into this library), in the same order and with the same arguments, so the layer's
    output and the K/V rows it writes are the same bit for bit:
 
@@ -19,6 +19,7 @@
 #include <float.h>
 #include <math.h>
 
+#include "cpu_byte_rows.c"
 #include "cpu_exp.h"
 #include "cpu_layer_ops.c"
 #include "cpu_packed_rows.c"
@@ -27,7 +28,18 @@
 typedef struct {
     const float *panels, *bias; /* oneDNN's packed panels (cpu_packed_rows.c); bias [n] or NULL */
     int64_t n, k, kp;
+    const uint8_t *bytes; /* or, with panels NULL, bytes [n, k] and per group a scale and an offset */
+    const float *scale, *offset; /* [n, k / group] (cpu_byte_rows.c) */
+    int64_t group;
 } strata_weight;
+
+/* y [rows, n] = x [rows, k] times the weight (+ bias), by whichever kernel reads its form. */
+static int product(const strata_weight *w, const float *x, int64_t rows, float *y, int threads) {
+    if (w->panels) return strata_packed_rows(x, rows, w->k, w->panels, w->n, w->kp, w->bias, y, threads);
+    if (w->bytes) return strata_byte_rows(x, rows, w->k, w->bytes, w->scale, w->offset, w->n, w->group, w->bias, y,
+                                          threads);
+    return -1;
+}
 
 typedef struct { /* what stays the same for a layer */
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL: no q/k norm */
@@ -93,7 +105,7 @@ int strata_decode_layer(const strata_layer *L, const strata_step *S, void *k_poo
 #define TRY(call)                                                                                                 \
     if ((rc = (call)) != 0) return rc
     TRY(strata_rms_norm(x, NULL, NULL, L->in_norm, h, rows, (int)hidden, S->eps, threads));
-    TRY(strata_packed_rows(h, rows, hidden, L->qkv.panels, L->qkv.n, L->qkv.kp, L->qkv.bias, qkv, threads));
+    TRY(product(&L->qkv, h, rows, qkv, threads));
     TRY(strata_qk_norm_rope(qkv, L->qkv.n, rows, S->heads, S->kv_heads, (int)hd, L->q_norm, L->k_norm, S->eps, S->cos,
                             S->sin, threads));
     for (int64_t t = 0; t < rows; t++) {
@@ -106,12 +118,11 @@ int strata_decode_layer(const strata_layer *L, const strata_step *S, void *k_poo
                             S->slots, S->lens, S->lo,
                             (int)rows, S->kv_heads, S->heads / S->kv_heads, (int)hd, S->chunk_cells, S->scale,
                             S->part_cells, S->part_first, S->work, attn, threads));
-    TRY(strata_packed_rows(attn, rows, q_width, L->o.panels, L->o.n, L->o.kp, L->o.bias, mixed, threads));
+    TRY(product(&L->o, attn, rows, mixed, threads));
     TRY(strata_rms_norm(x, mixed, out, L->post_norm, h, rows, (int)hidden, S->eps, threads));
-    TRY(strata_packed_rows(h, rows, hidden, L->gate_up.panels, L->gate_up.n, L->gate_up.kp, L->gate_up.bias, gate_up,
-                           threads));
+    TRY(product(&L->gate_up, h, rows, gate_up, threads));
     TRY(strata_silu_mul(gate_up, mlp, rows, (int)inter, threads));
-    TRY(strata_packed_rows(mlp, rows, inter, L->down.panels, L->down.n, L->down.kp, L->down.bias, mixed, threads));
+    TRY(product(&L->down, mlp, rows, mixed, threads));
 #undef TRY
     for (int64_t i = 0; i < rows * hidden; i++) out[i] += mixed[i];
     return 0;

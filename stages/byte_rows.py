@@ -36,7 +36,7 @@ from stages import cpu_build
 from stages.cpu_build import KernelRefused
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_byte_rows.c"
-MAX_ROWS = 8  # rule 2 (MAX_ROWS in the source)
+MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": []}

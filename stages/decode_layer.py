@@ -9,13 +9,14 @@ is one call of a C function that runs the same C functions in the same order.
 
 Rules:
 1. Only for a step whose rows are all decode rows (one decode group over the step's rows, in order), at most
-   packed_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself (`KVCache` with float32 or
-   int8 K/V, not the device window's view), and only for a dense attention layer (no linear attention, no routed
-   experts, no output gate) whose four products are read from packed panels (stages/packed_rows.py) and whose
-   norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a step may
+   packed_rows.MAX_ROWS and byte_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself
+   (`KVCache` with float32 or int8 K/V, not the device window's view), and only for a dense attention layer (no
+   linear attention, no routed experts, no output gate) whose four products are each read from packed panels
+   (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a GGUF Q8_0 / Q5_* model in float32)
+   and whose norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a step may
    mix both.
-2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows products and
-   the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library), in the
+2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
+   products and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library), in the
    same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells
    (into an int8 pool quantized as attention.quantize_int8 does, the same values and scales).
    The layer's output, the K/V rows in the pool and the step's logits are the same bit for bit (tested against
@@ -26,7 +27,8 @@ Rules:
    it is now. The layer's output goes to one buffer of the step (`Step.out`), the first layer's input is left
    as it was.
 4. The library is built, cached, trusted and checked by the rules of stages/cpu_build.py: at first use one
-   seeded layer (biases, q/k norms, two entries over scattered chunks) against a float64 torch reference, and
+   seeded layer (biases, q/k norms, byte rows, two entries over scattered chunks) against a float64 torch
+   reference, and
    its int8 K/V rows and scales against quantize_int8 of the float32 ones.
    `STRATA_DECODE_LAYER=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
 """
@@ -40,12 +42,14 @@ from pathlib import Path
 
 import torch
 
-from stages import cpu_attention, cpu_build, cpu_ops, packed_rows
+from stages import byte_rows, cpu_attention, cpu_build, cpu_ops, packed_rows
 from stages.attention import quantize_int8, token_cells
 from stages.batch import StepBatch
+from stages.byte_rows import ByteLinear
 from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
 from stages.packed_linear import PackedLinear
+from stages.quant_linear import Planes
 
 log = logging.getLogger("strata.stage")
 
@@ -55,7 +59,8 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L)]
+    _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L), ("bytes", _P), ("scale", _P),
+                ("offset", _P), ("group", _L)]
 
 
 class _Layer(ctypes.Structure):
@@ -130,14 +135,20 @@ class Layer:
             return None
         weights, keep = {}, []
         for field, name in _WEIGHTS:
-            packed, bias = w.get(name + ".weight"), w.get(name + ".bias")
-            if not isinstance(packed, PackedLinear) or packed.panels is None:
+            weight, bias = w.get(name + ".weight"), w.get(name + ".bias")
+            if isinstance(weight, PackedLinear) and weight.panels is not None:
+                p = weight.panels
+                n, struct, arrays = p.n, _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
+            elif isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
+                (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
+                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group)
+            else:
                 return None
-            p = packed.panels
-            if bias is not None and not _f32(bias, (p.n,)):
+            if bias is not None and not _f32(bias, (n,)):
                 return None
-            weights[field] = _Weight(p.address, None if bias is None else bias.data_ptr(), p.n, p.k, p.kp)
-            keep += [p.packed] + ([bias] if bias is not None else [])
+            struct.bias = None if bias is None else bias.data_ptr()
+            weights[field] = struct
+            keep += arrays + ([bias] if bias is not None else [])
         norms = [w.get(n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                                     "self_attn.q_norm.weight", "self_attn.k_norm.weight")]
         if not (_f32(norms[0], (hidden,)) and _f32(norms[1], (hidden,))):
@@ -171,7 +182,8 @@ class Step:
                 and cpu_attention.takes(kv, torch.float32, heads)):  # float32 queries: float32 or int8 K/V
             return None
         g, n = batch.groups[0], batch.num_tokens
-        if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= packed_rows.MAX_ROWS
+        most = min(packed_rows.MAX_ROWS, byte_rows.MAX_ROWS)
+        if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= most
                 and cos.dtype == torch.float32 and cos.shape == (n, kv.head_dim) and available()):
             return None
         return cls(batch, kv, cos, sin, hidden, heads, eps, scale)
@@ -211,7 +223,9 @@ class Step:
 
 
 def _self_check(fns: dict[str, object]) -> None:
-    """Rule 4: one seeded layer, two decode entries over scattered chunks, against float64 torch."""
+    """Rule 4: one seeded layer (its down projection byte rows), two decode entries over scattered chunks, against
+    float64 torch."""
+
     fns["strata_decode_layer_scratch"].restype = _L
     g = torch.Generator().manual_seed(0)
     hidden, heads, kv_heads, hd, inter, cells, eps = 64, 4, 2, 16, 96, 8, 1e-6
@@ -221,14 +235,18 @@ def _self_check(fns: dict[str, object]) -> None:
         return torch.randn(*shape, generator=g) * s
 
     plain = {"qkv": rand(qkv_n, hidden), "self_attn.o_proj": rand(hidden, heads * hd),
-             "gate_up": rand(2 * inter, hidden), "mlp.down_proj": rand(hidden, inter)}
+             "gate_up": rand(2 * inter, hidden)}
     w = {f"{k}.weight": PackedLinear(v) for k, v in plain.items()}
+    q = torch.randint(0, 256, (hidden, inter), generator=g, dtype=torch.uint8)  # down as byte rows (rule 1)
+    scale, offset = rand(hidden, inter // 32, s=0.003), rand(hidden, inter // 32, s=0.05)
+    w["mlp.down_proj.weight"] = ByteLinear(Planes([q & 15, q >> 4], [scale, 16 * scale], offset), torch.float32)
+    plain["mlp.down_proj"] = (q.view(hidden, -1, 32) * scale.unsqueeze(-1) + offset.unsqueeze(-1)).view(hidden, inter)
     w.update({"qkv.bias": rand(qkv_n), "mlp.down_proj.bias": rand(hidden), "input_layernorm.weight": 1 + rand(hidden),
               "post_attention_layernorm.weight": 1 + rand(hidden), "self_attn.q_norm.weight": 1 + rand(hd),
               "self_attn.k_norm.weight": 1 + rand(hd)})
     layer = Layer.of(w, hidden, hd)
     if layer is None:
-        raise KernelRefused("the check's layer is not read from packed panels here")
+        raise KernelRefused("the check's layer is not read from packed panels and byte rows here")
     kv = KVCache(1, 4, cells, kv_heads, hd, torch.float32, "cpu", n_slots=2, table_chunks=2)
     kv.set_table(0, [3, 1])
     kv.set_table(1, [0, 2])

@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the checkpoint as a GGUF file with its 2-D weights in this type (Strata and "
                             "llama.cpp on the same file)")
     peers.add_argument("--gguf", default=None, help="a GGUF file to serve (Strata vs llama.cpp; no transformers)")
+    peers.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="Strata's engine.dtype (auto: the checkpoint's; a quantized GGUF's is bfloat16)")
     mixed(peers)
     peers.add_argument("--requests", type=int, default=None, help="mixed: requests in all (default 32)")
     peers.add_argument("--seed", type=int, default=0, help="mixed: the workload's seed")

@@ -358,13 +358,15 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
     n_stages = int(name.rstrip("p"))
     port = free_port()
     cfg = strata_config(model_dir, n_stages, args.layers, args.threads, port, max_context=peer_cells(args, spec),
-                        parallel=peer_slots(args, spec), root=tmp, pipeline=True if name.endswith("p") else "auto")
+                        parallel=peer_slots(args, spec), root=tmp, pipeline=True if name.endswith("p") else "auto",
+                        dtype=args.dtype)
     path = tmp / f"{peer}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with StrataServer(path, port, tmp / f"{peer}.log") as server:
         found, text = measure_server(server.url, args, prompts, spec)
         weights = stage_weight_bytes(server.url)
-    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.pipeline {cfg['engine']['pipeline']}, "
+    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.dtype {cfg['engine']['dtype']}, "
+                 f"engine.pipeline {cfg['engine']['pipeline']}, "
                  f"engine.threads {cfg['engine']['threads']} each, "
                  f"layers {[s['layers'] for s in cfg['stages']]}, parallel {cfg['engine']['parallel']}, "
                  f"weights as loaded per stage (MiB) {[round(w / 2**20, 1) for w in weights]}")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import decode_layer
+from stages import byte_rows, decode_layer
 from stages.batch import StepBatch
+from stages.byte_rows import ByteLinear
 from stages.checkpoint import load_checkpoint
 from stages.kv_cache import KVCache
+from stages.gguf_write import write_gguf
 from stages.model import StageModel
 from stages.tiny import make_tiny_model
 from tests.stages.harness import use_wrong_source
@@ -79,7 +81,25 @@ def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bi
     """Rule 2 on q/k norms (qwen3), biases (qwen2) and neither (llama), float32 and int8 K/V; 1 to 4 rows, a
     sliding window on one layer, contexts over several scattered chunks; the pools (values and int8 scales) after
     every step and the logits of every step."""
-    ckpt = _ckpt(tmp_path, arch)
+    _same_steps(_ckpt(tmp_path, arch), monkeypatch, kv_dtype)
+
+
+@needs_layer
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_a_gguf_q8_0_model_in_float32_runs_its_byte_rows_in_the_call(tmp_path, monkeypatch, arch):
+    """Rules 1-2 on byte rows: a Q8_0 file's projections (stages/byte_rows.py) are read in the call, bit for bit the
+    Python path's."""
+    if not byte_rows.available():
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    src = make_tiny_model(tmp_path / arch, arch=arch, layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    ckpt = load_checkpoint(write_gguf(src, tmp_path / f"{arch}.gguf", "Q8_0"))
+    model = StageModel(ckpt, 0, 3, dtype=torch.float32)
+    assert all(isinstance(model.layers[0][f"{n}.weight"], ByteLinear) for n in ("qkv", "gate_up", "mlp.down_proj"))
+    assert all(layer is not None for layer in model.decode_layers())
+    _same_steps(ckpt, monkeypatch, torch.float32)
+
+
+def _same_steps(ckpt, monkeypatch, kv_dtype) -> None:
     on, off = StageModel(ckpt, 0, 3, dtype=torch.float32), StageModel(ckpt, 0, 3, dtype=torch.float32)
     for m in (on, off):
         m.sliding_windows = [None, 40, None]
@@ -155,7 +175,8 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("edit", [("out[i] += mixed[i]", "out[i] -= mixed[i]"),
                                   ("put_row(row + q_width + kv_width, v_pool", "put_row(row + q_width, v_pool"),
                                   ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps"),
-                                  ("nearbyintf(x[i] / by)", "truncf(x[i] / by)")])
+                                  ("nearbyintf(x[i] / by)", "truncf(x[i] / by)"),
+                                  ("w->bytes, w->scale, w->offset", "w->bytes, w->offset, w->scale")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
     use_wrong_source(decode_layer, edit, tmp_path, fresh_library)
