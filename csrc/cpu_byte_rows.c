@@ -1,17 +1,19 @@
-/* A product of few rows by a weight held as one byte per value and a scale and an offset per group
-   (stages/byte_rows.py).
+/* A product of few rows by a weight held as one byte (or half a byte) per value and a scale and an offset per
+   group (stages/byte_rows.py).
 
-   W[n][k] = s[n][g] * q[n][k] + b[n][g], g = k / group: q uint8 [N, K], s and b float32 [N, K / group]. The GGUF
-   formats of two int4 planes (Q8_0, Q5_0, Q5_1, Q5_K) and 8-bit GPTQ have this form.
+   W[n][k] = s[n][g] * q[n][k] + b[n][g], g = k / group, s and b float32 [N, K / group]; q is uint8 [N, K] (`bits`
+   8: the GGUF formats of two int4 planes, Q8_0, Q5_0, Q5_1, Q5_K, and 8-bit GPTQ) or [N, K / 2] (`bits` 4: one
+   plane, Q4_0, Q4_1, Q4_K, 4-bit GPTQ / AWQ), each 16 bytes holding values k + j (low nibble) and k + 16 + j (high
+   nibble) of a block of 32 at k.
 
    y[m][n] = sum over g of (s[n][g] * sum over k in g of q[n][k] * x[m][k]) + b[n][g] * X[m][g] (+ bias[n]), for
    M <= BYTE_MAX_ROWS rows of x [M, K] (float32, contiguous), X[m][g] the sum of row m's values in group g (summed
    first, in k order). Per output: one 16-lane accumulator over the groups in order (each group's values scaled
-   once, then a fused multiply-add per 16 of k), its lanes summed in a fixed tree, then the offsets' sum (each
+   once, then a fused multiply-add per 16 of k, in k order, whichever the bits), its lanes summed in a fixed tree, then the offsets' sum (each
    offset times its group's sum of x by one fused multiply-add, so no build contracts it otherwise), then the
    bias: a row's values do not depend on the other rows of the call.
 
-   A step of few rows is bound by reading the weight (1.25 bytes per value, against 4 for float32): the output rows
+   A step of few rows is bound by reading the weight (1.25 or 0.75 bytes per value, against 4 for float32): the output rows
    are shared statically by `threads` OpenMP threads (the libgomp torch has loaded), each streaming its rows of q
    once for every row of x.
 
@@ -39,18 +41,33 @@ static inline __m512 bytes16(const uint8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
 }
 
-#define BYTE_ROWS(R)                                                                                                   \
+/* Values k .. k + 31 of a row (k a multiple of 32) as two times 16 floats, scaled: from bytes (B 8) or from 16
+   bytes holding values k + j in the low nibble and k + 16 + j in the high one (B 4). */
+#define BLOCK32(B, qn, k, scale, w0, w1)                                                                          \
+    if (B == 8) {                                                                                                 \
+        w0 = _mm512_mul_ps(bytes16(qn + k), scale);                                                               \
+        w1 = _mm512_mul_ps(bytes16(qn + k + 16), scale);                                                          \
+    } else {                                                                                                      \
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qn + k / 2)));                  \
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), scale);               \
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale);                                   \
+    }
+
+#define BYTE_ROWS(B, R)                                                                                           \
     case R: {                                                                                                     \
         __m512 acc[R];                                                                                            \
         float off[R];                                                                                             \
         for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps(), off[m] = 0.0f;                                  \
         for (int64_t g = 0; g < groups; g++) {                                                                    \
             const __m512 scale = _mm512_set1_ps(sn[g]);                                                           \
-            for (int64_t j = 0; j < group; j += 16) {                                                             \
+            for (int64_t j = 0; j < group; j += 32) {                                                             \
                 const int64_t k = g * group + j;                                                                  \
-                const __m512 w = _mm512_mul_ps(bytes16(qn + k), scale);                                           \
-                _Pragma("GCC unroll 8") for (int m = 0; m < R; m++)                                               \
-                    acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * kk + k), acc[m]);                         \
+                __m512 w0, w1;                                                                                    \
+                BLOCK32(B, qn, k, scale, w0, w1)                                                                  \
+                _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                             \
+                    acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * kk + k), acc[m]);                        \
+                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * kk + k + 16), acc[m]);                   \
+                }                                                                                                 \
             }                                                                                                     \
             _Pragma("GCC unroll 8") for (int m = 0; m < R; m++)                                                   \
                 off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);                                               \
@@ -59,12 +76,17 @@ static inline __m512 bytes16(const uint8_t *q) {
             y[m * n + i] = _mm512_reduce_add_ps(acc[m]) + off[m] + (bias ? bias[i] : 0.0f);                       \
         break;                                                                                                    \
     }
+
+#define ALL_ROWS(B)                                                                                               \
+    BYTE_ROWS(B, 1) BYTE_ROWS(B, 2) BYTE_ROWS(B, 3) BYTE_ROWS(B, 4) BYTE_ROWS(B, 5) BYTE_ROWS(B, 6) BYTE_ROWS(B, 7)  \
+    BYTE_ROWS(B, 8)
 #endif
 
-int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, const float *s, const float *b,
-                     int64_t n, int64_t group, const float *bias, float *y, int threads) {
+int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
+                     const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
 #ifdef __AVX512F__
-    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 16 || group % 16 || kk % group || threads < 1)
+    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 32 || group % 32 || kk % group ||
+        (bits != 8 && bits != 4) || threads < 1)
         return -1;
     const int64_t groups = kk / group;
     float *sums = malloc(sizeof(float) * rows * groups);
@@ -77,14 +99,17 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
         }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *qn = q + i * kk;
+        const uint8_t *qn = q + i * (kk * bits / 8);
         const float *sn = s + i * groups, *bn = b + i * groups;
-        switch (rows) { BYTE_ROWS(1) BYTE_ROWS(2) BYTE_ROWS(3) BYTE_ROWS(4) BYTE_ROWS(5) BYTE_ROWS(6) BYTE_ROWS(7) BYTE_ROWS(8) }
+        if (bits == 8)
+            switch (rows) { ALL_ROWS(8) }
+        else
+            switch (rows) { ALL_ROWS(4) }
     }
     free(sums);
     return 0;
 #else
-    (void)x, (void)rows, (void)kk, (void)q, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y,
+    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y,
         (void)threads;
     return -2;
 #endif

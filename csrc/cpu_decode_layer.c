@@ -28,16 +28,17 @@
 typedef struct {
     const float *panels, *bias; /* oneDNN's packed panels (cpu_packed_rows.c); bias [n] or NULL */
     int64_t n, k, kp;
-    const uint8_t *bytes; /* or, with panels NULL, bytes [n, k] and per group a scale and an offset */
-    const float *scale, *offset; /* [n, k / group] (cpu_byte_rows.c) */
+    const uint8_t *bytes; /* or, with panels NULL, bytes ([n, k], or [n, k / 2] at 4 bits) and per group a scale */
+    const float *scale, *offset; /* and an offset, [n, k / group] (cpu_byte_rows.c) */
     int64_t group;
+    int bits;
 } strata_weight;
 
 /* y [rows, n] = x [rows, k] times the weight (+ bias), by whichever kernel reads its form. */
 static int product(const strata_weight *w, const float *x, int64_t rows, float *y, int threads) {
     if (w->panels) return strata_packed_rows(x, rows, w->k, w->panels, w->n, w->kp, w->bias, y, threads);
-    if (w->bytes) return strata_byte_rows(x, rows, w->k, w->bytes, w->scale, w->offset, w->n, w->group, w->bias, y,
-                                          threads);
+    if (w->bytes) return strata_byte_rows(x, rows, w->k, w->bytes, w->bits, w->scale, w->offset, w->n, w->group,
+                                          w->bias, y, threads);
     return -1;
 }
 

@@ -1,16 +1,20 @@
-"""Weights of two int4 planes held as one byte per value, and few rows multiplied by a C kernel (csrc/cpu_byte_rows.c).
+"""Int4 planes held as bytes or half-bytes, and few rows multiplied by a C kernel (csrc/cpu_byte_rows.c).
 
 GGUF's Q8_0, Q5_0, Q5_1 and Q5_K (and 8-bit GPTQ) arrive as two int4 planes (stages/quant_linear.py), the high
-plane's scale 16 times the low one's: w = s * (lo + 16 hi) + b per group. torch's int4 kernel multiplies the planes
-one after the other, in bfloat16 only, and a float32 stage dequantized the whole weight for every product: one
-decode step of the 104M qwen3 in Q8_0 read its weights at a third of the machine's pace (docs/BENCHMARKS.md,
-"Byte rows"). Here the planes are joined back into bytes, q = lo + 16 hi, and a kernel reads them once per step.
+plane's scale 16 times the low one's: w = s * (lo + 16 hi) + b per group; Q4_0, Q4_1 and Q4_K (4-bit GPTQ, AWQ) as
+one plane, w = s * v + b. torch's int4 kernel multiplies the planes one after the other, in bfloat16 only, and a
+float32 stage dequantized the whole weight for every product: one decode step of the 104M qwen3 in Q8_0 read its
+weights at a third of the machine's pace in bfloat16, and took 190-480 ms in float32 (docs/BENCHMARKS.md, "Byte
+rows"). Here two planes are joined back into bytes, q = lo + 16 hi, one plane kept as nibble pairs, and a kernel
+reads them once per step, in any compute dtype.
 
 Rules:
-1. On a CPU stage, a Planes of two planes whose high scale is exactly 16 times the low one and whose group is a
-   multiple of 16 is packed as a `ByteLinear` (`quant_linear.pack`) when the kernel is available: q uint8 [N, K],
-   the low plane's scale s and the offset b, float32 [N, K / group]. 1.25 bytes per value, as the two planes took.
-   Anything else keeps stages/quant_linear.py's packing.
+1. On a CPU stage, a Planes whose group is a multiple of 32 is packed as a `ByteLinear` (`quant_linear.pack`) when
+   the kernel is available and it has two planes, the high scale exactly 16 times the low one (`bits` 8: q uint8
+   [N, K], 1.25 bytes per value as the two planes took), or one plane and the compute dtype is float32 (`bits` 4:
+   two values per byte, 0.75 bytes per value as the plane took in float32; in bfloat16 torch's int4 kernel keeps
+   one plane at 0.625). The scale s of the (low) plane and the offset b are float32 [N, K / group]. Anything else
+   keeps stages/quant_linear.py's packing.
 2. A product of at most MAX_ROWS rows (a decode step) runs the kernel: x in float32, each output one float32 sum
    whose order does not depend on the other rows (the kernel's comment), rounded once to the compute dtype. It
    reads the exact weights (float32 scales); torch's int4 kernel rounds the scales to the compute dtype.
@@ -19,8 +23,9 @@ Rules:
 4. The rows are shared statically by torch's threads (`torch.get_num_threads()`).
 5. The library is compiled, cached, trusted and checked by the rules of stages/cpu_build.py (its first-use check:
    the kernel's products of 1 to MAX_ROWS rows against F.linear in float64 over the dequantized weight, on seeded
-   weights with groups of 32 and 128); a failure leaves `available()` False with `unavailable_reason()`, and the
-   planes keep stages/quant_linear.py's packing. `STRATA_BYTE_ROWS=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
+   weights of both widths with groups of 32 and 128); a failure leaves `available()` False with
+   `unavailable_reason()`, and the planes keep stages/quant_linear.py's packing. `STRATA_BYTE_ROWS=0` (or
+   `STRATA_CPU_KERNELS=0`) turns it off.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_byte_rows.c"
 MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": []}
+_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": []}
 
 
 def build() -> Path:
@@ -62,32 +67,59 @@ def unavailable_reason() -> str | None:
     return _library()[1]
 
 
-def takes(planes) -> bool:
-    """Rule 1's form: two planes, the high scale exactly 16 times the low one, a group that is a multiple of 16."""
-    return (len(planes.values) == 2 and planes.group % 16 == 0 and planes.shape[1] % planes.group == 0
-            and bool(torch.equal(planes.scales[1], planes.scales[0] * 16)))
+def takes(planes, dtype: torch.dtype) -> bool:
+    """Rule 1's forms: a group that is a multiple of 32 and two planes, the high scale exactly 16 times the low one,
+    or one plane in float32."""
+    if planes.group % 32 or planes.shape[1] % planes.group:
+        return False
+    if len(planes.values) == 1:
+        return dtype == torch.float32
+    return len(planes.values) == 2 and bool(torch.equal(planes.scales[1], planes.scales[0] * 16))
 
 
-def _multiply(fns: dict, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor, group: int,
+def nibbles(v: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] as [N, K / 2] bytes: per block of 32, value j in the low nibble of byte j and value
+    16 + j in its high nibble (the kernel's layout)."""
+    n, k = v.shape
+    blocks = v.view(n, k // 32, 2, 16)
+    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous()
+
+
+def unpack(q: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """The values of `q` as uint8 [N, K]."""
+    if bits == 8:
+        return q
+    blocks = q.view(q.shape[0], k // 32, 1, 16)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).view(q.shape[0], k)
+
+
+def _multiply(fns: dict, x: torch.Tensor, q: torch.Tensor, bits: int, s: torch.Tensor, b: torch.Tensor, group: int,
               bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's product: x float32 [rows <= MAX_ROWS, K] -> float32 [rows, N]."""
-    n, k = q.shape
+    n, k = q.shape[0], x.shape[1]
+    if q.shape[1] * 8 != k * bits:
+        raise ValueError(f"{bits}-bit rows of {q.shape[1]} bytes do not hold {k} values")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = fns["strata_byte_rows"](x.data_ptr(), x.shape[0], k, q.data_ptr(), s.data_ptr(), b.data_ptr(), n, group,
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    rc = fns["strata_byte_rows"](x.data_ptr(), x.shape[0], k, q.data_ptr(), bits, s.data_ptr(), b.data_ptr(), n,
+                                 group, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"strata_byte_rows refused a product of {x.shape[0]} rows by [{n}, {k}] ({rc})")
     return out
 
 
 class ByteLinear:
-    """A `[N, K]` weight of two int4 planes held as bytes (rule 1); `quant_linear.linear(x, w, bias)` multiplies it."""
+    """A `[N, K]` weight of int4 planes held as bytes or nibble pairs (rule 1); `quant_linear.linear(x, w, bias)`
+    multiplies it."""
 
     def __init__(self, planes, dtype: torch.dtype) -> None:
-        lo, hi = planes.values
         self.shape = planes.shape
         self.kind, self.dtype, self.device, self.group = planes.kind, dtype, torch.device("cpu"), planes.group
-        self.q = (lo.to(torch.int32) + 16 * hi.to(torch.int32)).to(torch.uint8).contiguous()
+        if len(planes.values) == 2:
+            lo, hi = planes.values
+            self.bits, self.q = 8, (lo.to(torch.int32) + 16 * hi.to(torch.int32)).to(torch.uint8).contiguous()
+        else:
+            self.bits, self.q = 4, nibbles(planes.values[0].to(torch.uint8))
         self.scale = planes.scales[0].to(torch.float32).contiguous()
         self.offset = planes.offset.to(torch.float32).contiguous()
 
@@ -98,7 +130,7 @@ class ByteLinear:
     def dequantize(self) -> torch.Tensor:
         """The weight `[N, K]` in the compute dtype (rule 3): s * q + b in float32, rounded once."""
         n, k = self.shape
-        w = self.q.view(n, k // self.group, self.group).to(torch.float32)
+        w = unpack(self.q, self.bits, k).view(n, k // self.group, self.group).to(torch.float32)
         w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1))
         return w.view(n, k).to(self.dtype)
 
@@ -106,8 +138,8 @@ class ByteLinear:
         n = self.shape[0]
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
         if x2.shape[0] <= MAX_ROWS:
-            y = _multiply(_library()[0], x2.to(self.dtype).float().contiguous(), self.q, self.scale, self.offset,
-                          self.group, None).to(self.dtype)
+            y = _multiply(_library()[0], x2.to(self.dtype).float().contiguous(), self.q, self.bits, self.scale,
+                          self.offset, self.group, None).to(self.dtype)
         else:
             y = F.linear(x2.to(self.dtype), self.dequantize())
         y = y.to(x.dtype)
@@ -122,16 +154,18 @@ def _self_check(fns: dict[str, object]) -> None:
         raise KernelRefused("this CPU has no AVX-512")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for n, k, group in ((64, 64, 32), (37, 256, 128), (130, 96, 32)):
-            q = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (64, 64, 32, 4),
+                                  (37, 256, 128, 4), (130, 96, 32, 4)):
+            v = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+            q = v if bits == 8 else nibbles(v)
             s = torch.rand(n, k // group, generator=g) * 0.01
             b = torch.randn(n, k // group, generator=g) * 0.1
             bias = torch.randn(n, generator=g)
-            w = (q.double().view(n, -1, group) * s.double().unsqueeze(-1) + b.double().unsqueeze(-1)).view(n, k)
+            w = (v.double().view(n, -1, group) * s.double().unsqueeze(-1) + b.double().unsqueeze(-1)).view(n, k)
             for rows in range(1, MAX_ROWS + 1):
                 x = torch.randn(rows, k, generator=g)
-                got = _multiply(fns, x, q, s, b, group, bias).double()
+                got = _multiply(fns, x, q, bits, s, b, group, bias).double()
                 want = F.linear(x.double(), w, bias.double())
                 if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                     raise KernelRefused(f"strata_byte_rows disagrees with F.linear by "
-                                        f"{(got - want).abs().max().item():.2e}")
+                                        f"{(got - want).abs().max().item():.2e} ({bits} bits)")

@@ -12,7 +12,7 @@ Rules:
    packed_rows.MAX_ROWS and byte_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself
    (`KVCache` with float32 or int8 K/V, not the device window's view), and only for a dense attention layer (no
    linear attention, no routed experts, no output gate) whose four products are each read from packed panels
-   (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a GGUF Q8_0 / Q5_* model in float32)
+   (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a quantized GGUF model in float32)
    and whose norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a step may
    mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
@@ -60,7 +60,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 class _Weight(ctypes.Structure):
     _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L), ("bytes", _P), ("scale", _P),
-                ("offset", _P), ("group", _L)]
+                ("offset", _P), ("group", _L), ("bits", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -141,7 +141,7 @@ class Layer:
                 n, struct, arrays = p.n, _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
             elif isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
                 (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
-                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group)
+                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits)
             else:
                 return None
             if bias is not None and not _f32(bias, (n,)):

@@ -18,8 +18,8 @@ gate_up) and permuted (llama's q/k rows) before packing. `pack(planes, dtype, de
   scalar reference, so float32 never takes it); any other step dequantizes the weight into the compute dtype
   from the same packed bytes and runs one F.linear (a GEMM): no second copy is kept. The layout is checked once
   against the packer (`cpu_layout_ok`); if a torch build packs differently, weights are dequantized at load.
-  On a CPU where stages/byte_rows.py's kernel runs, two planes are not packed here: `pack` makes them a ByteLinear
-  (one byte per value, float32 scale and offset per group; its rules).
+  On a CPU where stages/byte_rows.py's kernel runs, two planes (and one plane in float32) are not packed here: `pack`
+  makes them a ByteLinear (bytes or nibble pairs, float32 scale and offset per group; its rules).
 - CUDA: `_convert_weight_to_int4pack` (tinygemm's layout) and `_weight_int4pack_mm` for every step (bfloat16).
 The scales are rounded to the compute dtype once, at packing, so both CPU paths compute with the same weights.
 In float32 that is the dequantized weight itself (to float32 rounding); in bfloat16 each scale carries up to
@@ -340,16 +340,16 @@ def embed(ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tens
 
 
 def pack(planes: Planes | RowStack, dtype: torch.dtype, device: torch.device | str) -> Weight:
-    """A QuantLinear (a RowStack of packed parts; on a CPU two planes as a stages/byte_rows.py ByteLinear), or the
-    dequantized weight when this dtype / device has no kernel (`kernel_dtype_ok`)."""
+    """A QuantLinear (a RowStack of packed parts; on a CPU a stages/byte_rows.py ByteLinear where its rule 1 says),
+    or the dequantized weight when this dtype / device has no kernel (`kernel_dtype_ok`)."""
     device = torch.device(device)
     if isinstance(planes, RowStack):
         return RowStack([pack(p, dtype, device) if isinstance(p, Planes) else p.to(device, dtype)
                          for p in planes.parts])
     if not kernel_dtype_ok(dtype, device):
         return planes.dequantize().to(device, dtype)
-    if device.type == "cpu" and byte_rows.takes(planes) and byte_rows.available():
-        return byte_rows.ByteLinear(planes, dtype)  # two planes as bytes (stages/byte_rows.py rule 1)
+    if device.type == "cpu" and byte_rows.takes(planes, dtype) and byte_rows.available():
+        return byte_rows.ByteLinear(planes, dtype)  # bytes or nibble pairs (stages/byte_rows.py rule 1)
     return QuantLinear(planes, dtype, device)
 
 

@@ -20,6 +20,7 @@ needs_kernel = pytest.mark.skipif(not byte_rows.available(), reason=f"no byte-ro
                                   f"{byte_rows.unavailable_reason()}")
 N, K = 100, 512  # 100 rows: the threads' shares are not equal
 TWO_PLANES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K"]
+ONE_PLANE = ["Q4_0", "Q4_1", "Q4_K"]
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
     """Rules 1-3: packed as bytes; the kernel (up to MAX_ROWS rows) and dequantize + GEMM (more) both multiply
     gguf's own dequantized weight: float32 to float32 rounding, bfloat16 within one rounding of the output."""
     planes, w = weights(kind)
-    assert byte_rows.takes(planes)
+    assert byte_rows.takes(planes, torch.bfloat16) and byte_rows.takes(planes, torch.float32)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
     want = F.linear(x.double(), w.double(), bias.double())
@@ -85,6 +86,24 @@ def test_a_rows_values_do_not_depend_on_the_other_rows(dtype) -> None:
         assert torch.equal(q(x[:rows]), alone[:rows]), rows
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ONE_PLANE)
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS + 1])
+def test_one_plane_in_float32_is_held_as_nibble_pairs(kind: str, rows: int) -> None:
+    """Rule 1: one plane in float32 is two values per byte (0.75 bytes per value, as the plane took in float32),
+    multiplied to float32 rounding by the kernel and by dequantize + GEMM; in bfloat16 it keeps torch's int4 kernel."""
+    planes, w = weights(kind)
+    assert byte_rows.takes(planes, torch.float32) and not byte_rows.takes(planes, torch.bfloat16)
+    assert isinstance(pack(planes, torch.bfloat16, "cpu"), QuantLinear)
+    q = pack(planes, torch.float32, "cpu")
+    assert isinstance(q, ByteLinear) and q.bits == 4 and q.nbytes == N * K * 3 // 4
+    assert torch.equal(q.dequantize(), w)  # the nibbles read back are gguf's values, exactly
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    torch.testing.assert_close(q(x, bias).double(), F.linear(x.double(), w.double(), bias.double()), atol=1e-4,
+                               rtol=1e-5)
+
+
 def test_the_switch_keeps_the_int4_planes(fresh_library) -> None:
     """Rule 5: STRATA_BYTE_ROWS=0 leaves two planes to stages/quant_linear.py."""
     fresh_library.setenv("STRATA_BYTE_ROWS", "0")
@@ -94,29 +113,28 @@ def test_the_switch_keeps_the_int4_planes(fresh_library) -> None:
 
 
 def test_other_forms_keep_the_int4_planes() -> None:
-    """Rule 1: one plane (Q4_K), or two whose high scale is not 16 times the low one, stay QuantLinear."""
-    one, _ = weights("Q4_0")
-    assert not byte_rows.takes(one) and isinstance(pack(one, torch.float32, "cpu"), QuantLinear)
+    """Rule 1: two planes whose high scale is not 16 times the low one stay QuantLinear."""
     two, _ = weights("Q8_0")
     two.scales[1] = two.scales[1] * 1.5
-    assert not byte_rows.takes(two) and isinstance(pack(two, torch.float32, "cpu"), QuantLinear)
+    assert not byte_rows.takes(two, torch.float32) and isinstance(pack(two, torch.float32, "cpu"), QuantLinear)
 
 
 @needs_kernel
 def test_the_kernel_refuses_what_it_cannot_compute() -> None:
     """Arguments out of its range are an error, not a read past the arrays: rows 0 or over MAX_ROWS, a group that is
-    not a multiple of 16."""
+    not a multiple of 32."""
     planes, _ = weights("Q8_0")
     q = ByteLinear(planes, torch.float32)
     fns = byte_rows._library()[0]
-    for x, group in ((torch.randn(0, K), 32), (torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 24)):
+    for x, group in ((torch.randn(0, K), 32), (torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 48)):
         with pytest.raises(ValueError, match="refused"):
-            byte_rows._multiply(fns, x, q.q, q.scale, q.offset, group, None)
+            byte_rows._multiply(fns, x, q.q, 8, q.scale, q.offset, group, None)
 
 
 @pytest.mark.parametrize("edit", [
     ("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),  # the offsets forgotten
     ("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
+    ("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
     ("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
 ])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:

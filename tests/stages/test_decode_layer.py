@@ -85,16 +85,18 @@ def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bi
 
 
 @needs_layer
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_a_gguf_q8_0_model_in_float32_runs_its_byte_rows_in_the_call(tmp_path, monkeypatch, arch):
-    """Rules 1-2 on byte rows: a Q8_0 file's projections (stages/byte_rows.py) are read in the call, bit for bit the
-    Python path's."""
+@pytest.mark.parametrize("arch,qtype", [("qwen3", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_0")])
+def test_a_quantized_gguf_model_in_float32_runs_its_byte_rows_in_the_call(tmp_path, monkeypatch, arch, qtype):
+    """Rules 1-2 on byte rows: a Q8_0 (bytes) or Q4_0 (nibble pairs) file's projections (stages/byte_rows.py) are
+    read in the call, bit for bit the Python path's."""
     if not byte_rows.available():
         pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
     src = make_tiny_model(tmp_path / arch, arch=arch, layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256)
-    ckpt = load_checkpoint(write_gguf(src, tmp_path / f"{arch}.gguf", "Q8_0"))
+    ckpt = load_checkpoint(write_gguf(src, tmp_path / f"{arch}.gguf", qtype))
     model = StageModel(ckpt, 0, 3, dtype=torch.float32)
-    assert all(isinstance(model.layers[0][f"{n}.weight"], ByteLinear) for n in ("qkv", "gate_up", "mlp.down_proj"))
+    bits = 8 if qtype == "Q8_0" else 4
+    assert all(isinstance(model.layers[0][f"{n}.weight"], ByteLinear) and model.layers[0][f"{n}.weight"].bits == bits
+               for n in ("qkv", "gate_up", "mlp.down_proj"))
     assert all(layer is not None for layer in model.decode_layers())
     _same_steps(ckpt, monkeypatch, torch.float32)
 
@@ -176,7 +178,7 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
                                   ("put_row(row + q_width + kv_width, v_pool", "put_row(row + q_width, v_pool"),
                                   ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps"),
                                   ("nearbyintf(x[i] / by)", "truncf(x[i] / by)"),
-                                  ("w->bytes, w->scale, w->offset", "w->bytes, w->offset, w->scale")])
+                                  ("w->bits, w->scale, w->offset", "w->bits, w->offset, w->scale")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
     use_wrong_source(decode_layer, edit, tmp_path, fresh_library)

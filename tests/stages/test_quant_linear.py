@@ -63,7 +63,7 @@ def test_quant_linear_matches_dequantized_weights(kind: str, rows: int) -> None:
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
     q32 = pack(planes, torch.float32, "cpu")
-    two = byte_rows.takes(planes) and byte_rows.available()  # two planes as bytes (stages/byte_rows.py rule 1)
+    two = byte_rows.takes(planes, torch.float32) and byte_rows.available()  # stages/byte_rows.py rule 1
     assert isinstance(q32, ByteLinear if two else QuantLinear)
     torch.testing.assert_close(q32(x, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
     qb = pack(planes, torch.bfloat16, "cpu")
@@ -102,7 +102,8 @@ def test_fused_rows_of_mixed_formats() -> None:
     fused = fuse_rows([q, k, v])
     assert isinstance(fused, RowStack) and fused.shape == (2 * N + 32, K)
     packed = pack(fused, torch.float32, "cpu")
-    assert isinstance(packed.parts[0], QuantLinear) and packed.parts[0].shape == (2 * N, K)
+    held = ByteLinear if byte_rows.available() else QuantLinear  # one plane in float32 (stages/byte_rows.py rule 1)
+    assert isinstance(packed.parts[0], held) and packed.parts[0].shape == (2 * N, K)
     x = torch.randn(5, K)
     want = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v]))
     torch.testing.assert_close(linear(x, packed), want, atol=1e-4, rtol=1e-5)
