@@ -235,6 +235,7 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
     if quantized:
         kinds = ", ".join(f"{n} tensors as {kind}" for kind, n in sorted(quantized.items()))
         held = ", ".join(f"{kind} as bytes" if cpu and PLANE_COUNTS[kind] == 2 else
+                         f"{kind} as nibble pairs" if cpu and dtype == "float32" else
                          f"{kind} as {PLANE_COUNTS[kind]} int4 plane{'s' * (PLANE_COUNTS[kind] > 1)}"
                          for kind in sorted(kept)) or "none"
         rest = sorted(set(quantized) - set(kept))

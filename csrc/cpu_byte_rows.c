@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BYTE_MAX_ROWS 8
 
@@ -113,4 +114,45 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
         (void)threads;
     return -2;
 #endif
+}
+
+/* The whole weight, dequantized: out[n][k] = s[n][g] * q[n][k] + b[n][g] by one fused multiply-add in float32, into
+   float32 `out` (bf16 0) or rounded to bfloat16 to nearest even (bf16 1: `out` holds uint16 words), the rows shared
+   statically by `threads` OpenMP threads. A prefill piece multiplies it by one GEMM (stages/byte_rows.py rule 3).
+   Returns 0, or -1 on arguments it refuses. */
+int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
+                        int64_t group, void *out, int bf16, int threads) {
+    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
+        return -1;
+    const int64_t groups = kk / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *qn = q + i * (kk * bits / 8);
+        float row[32];
+        for (int64_t g = 0; g < groups; g++) {
+            const float sg = s[i * groups + g], bg = b[i * groups + g];
+            for (int64_t j = 0; j < group; j += 32) {
+                const int64_t k = g * group + j;
+                if (bits == 8)
+                    for (int t = 0; t < 32; t++) row[t] = fmaf(sg, (float)qn[k + t], bg);
+                else
+                    for (int t = 0; t < 16; t++) {
+                        const uint8_t v = qn[k / 2 + t];
+                        row[t] = fmaf(sg, (float)(v & 15), bg);
+                        row[t + 16] = fmaf(sg, (float)(v >> 4), bg);
+                    }
+                if (bf16) {
+                    uint16_t *o = (uint16_t *)out + i * kk + k;
+                    for (int t = 0; t < 32; t++) {
+                        uint32_t u;
+                        memcpy(&u, &row[t], 4);
+                        o[t] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                    }
+                } else {
+                    memcpy((float *)out + i * kk + k, row, sizeof(row));
+                }
+            }
+        }
+    }
+    return 0;
 }

@@ -108,7 +108,8 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
 def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int, cpu: bool = False) -> int:
     """A QuantLinear's bytes: per plane 4 bits per weight, and a scale and a zero per `group` weights. On a CPU stage
     (`cpu`) two planes are one byte per weight and a float32 scale and offset per group (stages/byte_rows.py's
-    ByteLinear, on a CPU with AVX-512; without it the planes, which differ only in float32)."""
+    ByteLinear, on a CPU with AVX-512; without it the planes, which differ only in float32). One plane in float32,
+    held as nibble pairs there, takes what the plane takes."""
     if cpu and planes == 2:
         return numel + 8 * (numel // group)
     return planes * (numel // 2 + 2 * dtype_bytes * (numel // group))

@@ -12,18 +12,22 @@ Rules:
 1. On a CPU stage, a Planes whose group is a multiple of 32 is packed as a `ByteLinear` (`quant_linear.pack`) when
    the kernel is available and it has two planes, the high scale exactly 16 times the low one (`bits` 8: q uint8
    [N, K], 1.25 bytes per value as the two planes took), or one plane and the compute dtype is float32 (`bits` 4:
-   two values per byte, 0.75 bytes per value as the plane took in float32; in bfloat16 torch's int4 kernel keeps
-   one plane at 0.625). The scale s of the (low) plane and the offset b are float32 [N, K / group]. Anything else
-   keeps stages/quant_linear.py's packing.
+   nibble pairs [N, K / 2], 0.75 bytes per value as the plane took in float32). The scale s of the (low) plane and
+   the offset b are float32 [N, K / group]. One plane in bfloat16 keeps torch's int4 kernel: its bfloat16 scale and
+   zero hold the plane in 0.625 bytes per value, and it multiplies 1 to 16 rows 1.2-1.4x faster than this kernel
+   (docs/BENCHMARKS.md, "Byte rows"). Anything else keeps stages/quant_linear.py's packing.
 2. A product of at most MAX_ROWS rows (a decode step) runs the kernel: x in float32, each output one float32 sum
    whose order does not depend on the other rows (the kernel's comment), rounded once to the compute dtype. It
    reads the exact weights (float32 scales); torch's int4 kernel rounds the scales to the compute dtype.
-3. A product of more rows (a prefill piece) dequantizes the weight into the compute dtype, s * q + b in float32
-   rounded once, and runs one F.linear (a GEMM), as stages/quant_linear.py does: no second copy is kept.
+3. A product of more rows (a prefill piece) dequantizes the weight into the compute dtype in one pass of the
+   library (s * q + b by one fused multiply-add, rounded once to a 16-bit dtype) and runs one F.linear (a GEMM), as
+   stages/quant_linear.py does: no second copy is kept. torch's own dequantize of one plane took 2.5 ms for a
+   [3072, 768] Q4_K weight in bfloat16, more than the GEMM of 128 rows by it (1.7 ms).
 4. The rows are shared statically by torch's threads (`torch.get_num_threads()`).
 5. The library is compiled, cached, trusted and checked by the rules of stages/cpu_build.py (its first-use check:
-   the kernel's products of 1 to MAX_ROWS rows against F.linear in float64 over the dequantized weight, on seeded
-   weights of both widths with groups of 32 and 128); a failure leaves `available()` False with
+   the kernel's products of 1 to MAX_ROWS rows against F.linear in float64 over the dequantized weight, and the
+   dequantized weight in float32 and bfloat16 against torch's, on seeded weights of both widths with groups of 32
+   and 128); a failure leaves `available()` False with
    `unavailable_reason()`, and the planes keep stages/quant_linear.py's packing. `STRATA_BYTE_ROWS=0` (or
    `STRATA_CPU_KERNELS=0`) turns it off.
 """
@@ -44,7 +48,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_byte_rows.c"
 MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": []}
+_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
+               "strata_byte_dequant": [_P, _I, _P, _P, _L, _L, _L, _P, _I, _I]}
 
 
 def build() -> Path:
@@ -68,8 +73,8 @@ def unavailable_reason() -> str | None:
 
 
 def takes(planes, dtype: torch.dtype) -> bool:
-    """Rule 1's forms: a group that is a multiple of 32 and two planes, the high scale exactly 16 times the low one,
-    or one plane in float32."""
+    """Rule 1's forms: a group that is a multiple of 32, and two planes whose high scale is exactly 16 times the low
+    one, or one plane in float32."""
     if planes.group % 32 or planes.shape[1] % planes.group:
         return False
     if len(planes.values) == 1:
@@ -128,11 +133,17 @@ class ByteLinear:
         return self.q.numel() + 4 * (self.scale.numel() + self.offset.numel())
 
     def dequantize(self) -> torch.Tensor:
-        """The weight `[N, K]` in the compute dtype (rule 3): s * q + b in float32, rounded once."""
+        """The weight `[N, K]` in the compute dtype (rule 3): s * q + b by one fused multiply-add in float32, rounded
+        once to a 16-bit dtype, in one pass of the library (bfloat16 or float32; float16 from float32)."""
         n, k = self.shape
-        w = unpack(self.q, self.bits, k).view(n, k // self.group, self.group).to(torch.float32)
-        w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1))
-        return w.view(n, k).to(self.dtype)
+        fns = _library()[0]
+        direct = self.dtype == torch.bfloat16
+        out = torch.empty(n, k, dtype=torch.bfloat16 if direct else torch.float32)
+        rc = fns["strata_byte_dequant"](self.q.data_ptr(), self.bits, self.scale.data_ptr(), self.offset.data_ptr(),
+                                        n, k, self.group, out.data_ptr(), int(direct), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"strata_byte_dequant refused a [{n}, {k}] weight of {self.bits}-bit rows ({rc})")
+        return out.to(self.dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = self.shape[0]
@@ -162,6 +173,13 @@ def _self_check(fns: dict[str, object]) -> None:
             b = torch.randn(n, k // group, generator=g) * 0.1
             bias = torch.randn(n, generator=g)
             w = (v.double().view(n, -1, group) * s.double().unsqueeze(-1) + b.double().unsqueeze(-1)).view(n, k)
+            for dtype in (torch.float32, torch.bfloat16):
+                out = torch.empty(n, k, dtype=dtype)
+                if fns["strata_byte_dequant"](q.data_ptr(), bits, s.data_ptr(), b.data_ptr(), n, k, group,
+                                              out.data_ptr(), int(dtype == torch.bfloat16), 1) != 0:
+                    raise KernelRefused("strata_byte_dequant refused a weight")
+                if not torch.equal(out, w.float().to(dtype)):  # s * q + b exact in float64, then one rounding
+                    raise KernelRefused(f"strata_byte_dequant disagrees with torch in {dtype} ({bits} bits)")
             for rows in range(1, MAX_ROWS + 1):
                 x = torch.randn(rows, k, generator=g)
                 got = _multiply(fns, x, q, bits, s, b, group, bias).double()

@@ -90,18 +90,32 @@ def test_a_rows_values_do_not_depend_on_the_other_rows(dtype) -> None:
 @pytest.mark.parametrize("kind", ONE_PLANE)
 @pytest.mark.parametrize("rows", [1, 5, MAX_ROWS + 1])
 def test_one_plane_in_float32_is_held_as_nibble_pairs(kind: str, rows: int) -> None:
-    """Rule 1: one plane in float32 is two values per byte (0.75 bytes per value, as the plane took in float32),
-    multiplied to float32 rounding by the kernel and by dequantize + GEMM; in bfloat16 it keeps torch's int4 kernel."""
+    """Rule 1: one plane in float32 is two values per byte (0.75 bytes per value, as the plane took in float32), read
+    back as gguf's values exactly and multiplied to float32 rounding by the kernel and by dequantize + GEMM; in
+    bfloat16 it keeps torch's int4 kernel."""
     planes, w = weights(kind)
     assert byte_rows.takes(planes, torch.float32) and not byte_rows.takes(planes, torch.bfloat16)
     assert isinstance(pack(planes, torch.bfloat16, "cpu"), QuantLinear)
     q = pack(planes, torch.float32, "cpu")
     assert isinstance(q, ByteLinear) and q.bits == 4 and q.nbytes == N * K * 3 // 4
-    assert torch.equal(q.dequantize(), w)  # the nibbles read back are gguf's values, exactly
+    assert torch.equal(q.dequantize(), w)  # s * v + b of float32 scales: gguf's own float32 values
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
     torch.testing.assert_close(q(x, bias).double(), F.linear(x.double(), w.double(), bias.double()), atol=1e-4,
                                rtol=1e-5)
+
+
+@needs_kernel
+def test_the_dequantized_weight_is_one_rounding_of_the_exact_one() -> None:
+    """Rule 3: a prefill piece's weight, s * q + b rounded once to float32, and from there to bfloat16 to nearest
+    even (the values of torch's own conversion), for bytes and nibble pairs."""
+    for kind in ("Q8_0", "Q5_K", "Q4_K"):
+        planes, _ = weights(kind)
+        exact = planes.scales[0].double().repeat_interleave(32, 1) * byte_rows.unpack(
+            ByteLinear(planes, torch.float32).q, 8 if len(planes.values) == 2 else 4, K).double()
+        exact = exact + planes.offset.double().repeat_interleave(32, 1)
+        assert torch.equal(ByteLinear(planes, torch.float32).dequantize(), exact.float()), kind
+        assert torch.equal(ByteLinear(planes, torch.bfloat16).dequantize(), exact.float().bfloat16()), kind
 
 
 def test_the_switch_keeps_the_int4_planes(fresh_library) -> None:
@@ -135,15 +149,16 @@ def test_the_kernel_refuses_what_it_cannot_compute() -> None:
     ("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),  # the offsets forgotten
     ("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
     ("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
+    ("o[t] = (uint16_t)((u + 0x7FFFu", "o[t] = (uint16_t)((u + 0x8000u"),  # bfloat16 rounded half up, not to even
     ("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
 ])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
-    """Rule 5: the first-use check against float64 F.linear; a source wrong in one place fails it, and the planes
-    keep stages/quant_linear.py's packing."""
+    """Rule 5: the first-use check against float64 F.linear and torch's dequantized weight; a source wrong in one
+    place fails it, and the planes keep stages/quant_linear.py's packing."""
     use_wrong_source(byte_rows, edit, tmp_path, fresh_library)
     if "no AVX-512" in (byte_rows.unavailable_reason() or ""):
         pytest.skip("no AVX-512 here: the kernel is refused before it is checked")
     assert not byte_rows.available()
-    assert "disagrees with F.linear" in byte_rows.unavailable_reason()
+    assert "disagrees with" in byte_rows.unavailable_reason()
     planes, _ = weights("Q8_0")
     assert isinstance(pack(planes, torch.float32, "cpu"), QuantLinear)

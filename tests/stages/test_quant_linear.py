@@ -63,8 +63,8 @@ def test_quant_linear_matches_dequantized_weights(kind: str, rows: int) -> None:
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
     q32 = pack(planes, torch.float32, "cpu")
-    two = byte_rows.takes(planes, torch.float32) and byte_rows.available()  # stages/byte_rows.py rule 1
-    assert isinstance(q32, ByteLinear if two else QuantLinear)
+    held = ByteLinear if byte_rows.takes(planes, torch.float32) and byte_rows.available() else QuantLinear
+    assert isinstance(q32, held)
     torch.testing.assert_close(q32(x, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
     qb = pack(planes, torch.bfloat16, "cpu")
     xb = x.bfloat16()
@@ -86,8 +86,8 @@ def test_kernel_and_gemm_paths_agree_in_bfloat16() -> None:
 
 def test_memory_of_one_and_two_plane_formats() -> None:
     n, k = 128, 512
-    one = pack(planes_from_gguf("Q4_0", blocks("Q4_0", n, k), (n, k)), torch.bfloat16, "cpu")
-    two = pack(planes_from_gguf("Q8_0", blocks("Q8_0", n, k), (n, k)), torch.bfloat16, "cpu")
+    one = QuantLinear(planes_from_gguf("Q4_0", blocks("Q4_0", n, k), (n, k)), torch.bfloat16, "cpu")
+    two = QuantLinear(planes_from_gguf("Q8_0", blocks("Q8_0", n, k), (n, k)), torch.bfloat16, "cpu")
     bf16 = n * k * 2
     assert one.nbytes == n * k // 2 + (k // 32) * n * 2 * 2  # nibbles + a bf16 scale and zero per 32
     assert one.nbytes / bf16 == pytest.approx(0.3125)
