@@ -9,13 +9,13 @@
    y[m][n] = sum over g of (s[n][g] * sum over k in g of q[n][k] * x[m][k]) + b[n][g] * X[m][g] (+ bias[n]), for
    M <= BYTE_MAX_ROWS rows of x [M, K] (float32, contiguous), X[m][g] the sum of row m's values in group g (summed
    first, in k order). Per output: one 16-lane accumulator over the groups in order (each group's values scaled
-   once, then a fused multiply-add per 16 of k, in k order, whichever the bits), its lanes summed in a fixed tree, then the offsets' sum (each
-   offset times its group's sum of x by one fused multiply-add, so no build contracts it otherwise), then the
-   bias: a row's values do not depend on the other rows of the call.
+   once, then a fused multiply-add per 16 of k, in k order, whichever the bits), its lanes summed in a fixed tree,
+   then the offsets' sum (each offset times its group's sum of x by one fused multiply-add, so no build contracts
+   it otherwise), then the bias: a row's values do not depend on the other rows of the call.
 
-   A step of few rows is bound by reading the weight (1.25 or 0.75 bytes per value, against 4 for float32): the output rows
-   are shared statically by `threads` OpenMP threads (the libgomp torch has loaded), each streaming its rows of q
-   once for every row of x.
+   A step of few rows is bound by reading the weight (1.25 or 0.75 bytes per value, against 4 for float32): the
+   output rows are shared statically by `threads` OpenMP threads (the libgomp torch has loaded), each streaming its
+   rows of q once for every row of x.
 
    Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments it
    refuses, -2 when built without the instructions, -3 when out of memory. */
@@ -155,4 +155,59 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
         }
     }
     return 0;
+}
+
+/* One int4 plane in the layout torch's CPU packer writes (stages/quant_linear.py checks it: `cpu_layout_ok`), added
+   into `acc`, the weight transposed: float32 [k, n] (row k holds the n outputs' values at k). `packed` is bytes
+   [rows / 64][k][32]: the low nibble of byte [r][k][i] is row 64r + i, its high nibble row 64r + 32 + i; sz is
+   [k / group][rows][2], each row's scale and zero in float32; rows >= n, a multiple of 64. Per value, as
+   stages/quant_linear.py's QuantLinear.dequantize runs it in torch, each operation rounded to float32 on its own (no
+   fused multiply-add): base = zero - 8 * scale; w = v * scale + base; acc = w (`first`) or acc + w. Written
+   transposed, each k of a 64-row block is 64 contiguous values; a GEMM reads either layout. Returns 0, -1 on
+   arguments it refuses, -2 when built without AVX-512. */
+__attribute__((optimize("fp-contract=off"))) int strata_int4pack_dequant_t(const uint8_t *packed, const float *sz,
+                                                                          int64_t rows, int64_t n, int64_t kk,
+                                                                          int64_t group, int first, float *acc,
+                                                                          int threads) {
+#ifdef __AVX512F__
+    if (n < 1 || rows < n || rows % 64 || kk < 1 || group < 1 || kk % group || threads < 1) return -1;
+    const int64_t blocks = rows / 64, groups = kk / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < blocks; r++) {
+        const int64_t n0 = r * 64, width = n - n0 < 64 ? n - n0 : 64;
+        __mmask16 mask[4];
+        for (int j = 0; j < 4; j++) {
+            const int64_t left = width - 16 * j;
+            mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            float sc[64] __attribute__((aligned(64))), base[64] __attribute__((aligned(64)));
+            for (int i = 0; i < 64; i++) {
+                const float *e = sz + ((g * rows) + n0 + i) * 2;
+                sc[i] = e[0];
+                base[i] = e[1] - 8.0f * e[0];
+            }
+            for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                const uint8_t *b = packed + (r * kk + k) * 32;
+                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+                const __m512i fifteen = _mm512_set1_epi32(15);
+                const __m512i v[4] = {_mm512_and_si512(b0, fifteen), _mm512_and_si512(b1, fifteen),
+                                      _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4)};
+                float *dst = acc + k * n + n0;
+                for (int j = 0; j < 4; j++) {
+                    if (!mask[j]) continue;
+                    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), _mm512_load_ps(sc + 16 * j));
+                    const __m512 w = _mm512_add_ps(scaled, _mm512_load_ps(base + 16 * j));
+                    const __m512 out = first ? w : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], dst + 16 * j), w);
+                    _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)packed, (void)sz, (void)rows, (void)n, (void)kk, (void)group, (void)first, (void)acc, (void)threads;
+    return -2;
+#endif
 }

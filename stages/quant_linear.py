@@ -46,7 +46,8 @@ from stages import byte_rows
 from pool.gguf_meta import PLANE_COUNTS
 
 GROUP = 32
-KERNEL_MAX_ROWS = 64  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant)
+KERNEL_MAX_ROWS = 24  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant; with
+# stages/byte_rows.py's dequantize the GEMM path wins from 24-32 rows, docs/BENCHMARKS.md "Byte rows")
 PLANE_FORMATS = tuple(PLANE_COUNTS)
 _ROW_BLOCK = 64  # the CPU packer's row block
 
@@ -238,6 +239,10 @@ class QuantLinear:
         shifted in place, one rounding to the compute dtype at the end (as the kernel rounds once)."""
         n, k = self.shape
         g = self.group
+        wt = byte_rows.int4pack_transposed(self.packed, self.scales_zeros, self.rows, n, k, g) \
+            if self.device.type == "cpu" else None
+        if wt is not None:  # the same values, by stages/byte_rows.py's library (its rule 6), transposed
+            return wt.to(self.dtype).t()
         out = None
         for p, sz in zip(self.packed, self.scales_zeros):
             w = _cpu_values(p, self.rows, k).view(self.rows, k // g, g)[:n]

@@ -26,8 +26,10 @@ ONE_PLANE = ["Q4_0", "Q4_1", "Q4_K"]
 @pytest.fixture
 def fresh_library(monkeypatch):
     byte_rows._library.cache_clear()
+    byte_rows._int4pack_ok.cache_clear()
     yield monkeypatch
     byte_rows._library.cache_clear()
+    byte_rows._int4pack_ok.cache_clear()
 
 
 def blocks(kind: str, seed: int = 0) -> np.ndarray:
@@ -116,6 +118,34 @@ def test_the_dequantized_weight_is_one_rounding_of_the_exact_one() -> None:
         exact = exact + planes.offset.double().repeat_interleave(32, 1)
         assert torch.equal(ByteLinear(planes, torch.float32).dequantize(), exact.float()), kind
         assert torch.equal(ByteLinear(planes, torch.bfloat16).dequantize(), exact.float().bfloat16()), kind
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q8_0"])
+def test_torch_packed_planes_are_dequantized_as_torch_does(monkeypatch, kind: str) -> None:
+    """Rule 6: a QuantLinear's weight dequantized by the library (transposed) is torch's code's, bit for bit, for one
+    plane and two, 100 rows (a partial 64-row block)."""
+    planes, _ = weights(kind)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = QuantLinear(planes, dtype, "cpu")
+        assert byte_rows._int4pack_ok()
+        ours = q.dequantize()
+        monkeypatch.setattr(byte_rows, "_int4pack_ok", lambda: False)
+        assert torch.equal(ours, q.dequantize()), dtype
+        monkeypatch.undo()
+
+
+def test_a_wrong_int4pack_dequantize_leaves_it_to_torch(fresh_library, tmp_path) -> None:
+    """Rule 6's check refuses a wrong source without refusing the byte-rows kernel."""
+    use_wrong_source(byte_rows, ("base[i] = e[1] - 8.0f * e[0];", "base[i] = e[1] - 7.0f * e[0];"), tmp_path,
+                     fresh_library)
+    if not byte_rows.available():
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    assert not byte_rows._int4pack_ok()
+    planes, w = weights("Q4_0")
+    q = QuantLinear(planes, torch.float32, "cpu")
+    assert byte_rows.int4pack_transposed(q.packed, q.scales_zeros, q.rows, N, K, 32) is None
+    torch.testing.assert_close(q.dequantize(), w)
 
 
 def test_the_switch_keeps_the_int4_planes(fresh_library) -> None:
