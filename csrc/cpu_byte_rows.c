@@ -162,13 +162,14 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
    [rows / 64][k][32]: the low nibble of byte [r][k][i] is row 64r + i, its high nibble row 64r + 32 + i; sz is
    [k / group][rows][2], each row's scale and zero in float32; rows >= n, a multiple of 64. Per value, as
    stages/quant_linear.py's QuantLinear.dequantize runs it in torch, each operation rounded to float32 on its own (no
-   fused multiply-add): base = zero - 8 * scale; w = v * scale + base; acc = w (`first`) or acc + w. Written
-   transposed, each k of a 64-row block is 64 contiguous values; a GEMM reads either layout. Returns 0, -1 on
-   arguments it refuses, -2 when built without AVX-512. */
+   fused multiply-add): base = zero - 8 * scale; w = v * scale + base; acc = w (`first`) or acc + w; with `out16`
+   (the last plane of a bfloat16 weight) that sum goes, rounded to bfloat16 to nearest even, to out16 [k, n]
+   instead. Written transposed, each k of a 64-row block is 64 contiguous values; a GEMM reads either layout.
+   Returns 0, -1 on arguments it refuses, -2 when built without AVX-512. */
 __attribute__((optimize("fp-contract=off"))) int strata_int4pack_dequant_t(const uint8_t *packed, const float *sz,
                                                                           int64_t rows, int64_t n, int64_t kk,
                                                                           int64_t group, int first, float *acc,
-                                                                          int threads) {
+                                                                          uint16_t *out16, int threads) {
 #ifdef __AVX512F__
     if (n < 1 || rows < n || rows % 64 || kk < 1 || group < 1 || kk % group || threads < 1) return -1;
     const int64_t blocks = rows / 64, groups = kk / group;
@@ -200,14 +201,23 @@ __attribute__((optimize("fp-contract=off"))) int strata_int4pack_dequant_t(const
                     const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), _mm512_load_ps(sc + 16 * j));
                     const __m512 w = _mm512_add_ps(scaled, _mm512_load_ps(base + 16 * j));
                     const __m512 out = first ? w : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], dst + 16 * j), w);
-                    _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
+                    if (out16) { /* the last plane: rounded to bfloat16, to nearest even */
+                        const __m512i u = _mm512_castps_si512(out);
+                        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                        const __m512i r = _mm512_srli_epi32(
+                            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+                        _mm256_mask_storeu_epi16(out16 + k * n + n0 + 16 * j, mask[j], _mm512_cvtepi32_epi16(r));
+                    } else {
+                        _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
+                    }
                 }
             }
         }
     }
     return 0;
 #else
-    (void)packed, (void)sz, (void)rows, (void)n, (void)kk, (void)group, (void)first, (void)acc, (void)threads;
+    (void)packed, (void)sz, (void)rows, (void)n, (void)kk, (void)group, (void)first, (void)acc, (void)out16,
+        (void)threads;
     return -2;
 #endif
 }

@@ -58,7 +58,7 @@ MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
                "strata_byte_dequant": [_P, _I, _P, _P, _L, _L, _L, _P, _I, _I],
-               "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _I, _P, _I]}
+               "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _I, _P, _P, _I]}
 
 
 def build() -> Path:
@@ -168,20 +168,30 @@ class ByteLinear:
         return y.reshape(*lead, n)
 
 
+def _dequant_t(fns: dict, packed: torch.Tensor, sz: torch.Tensor, rows: int, n: int, k: int, group: int, first: bool,
+               acc: torch.Tensor | None, out16: torch.Tensor | None, threads: int) -> None:
+    """One plane into `acc` float32 [K, N] (or, the last, rounded into `out16` bfloat16 [K, N]): the library's call."""
+    if fns["strata_int4pack_dequant_t"](packed.data_ptr(), sz.data_ptr(), rows, n, k, group, int(first),
+                                       None if acc is None else acc.data_ptr(),
+                                       None if out16 is None else out16.data_ptr(), threads) != 0:
+        raise ValueError(f"strata_int4pack_dequant_t refused a [{n}, {k}] weight of {rows} packed rows")
+
+
 def int4pack_transposed(packed: list[torch.Tensor], scales_zeros: list[torch.Tensor], rows: int, n: int, k: int,
-                        group: int) -> torch.Tensor | None:
-    """Rule 6: the sum of torch-packed CPU int4 planes (stages/quant_linear.py's QuantLinear) dequantized as float32
-    [K, N], the weight transposed; None where the library or its check of torch's layout says no."""
+                        group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Rule 6: the sum of torch-packed CPU int4 planes (stages/quant_linear.py's QuantLinear) dequantized as [K, N],
+    the weight transposed, in `dtype` (bfloat16 rounded in the library, any other from float32); None where the
+    library or its check of torch's layout says no."""
     if not _int4pack_ok():
         return None
     fns = _library()[0]
-    out = torch.empty(k, n, dtype=torch.float32)
+    acc = torch.empty(k, n, dtype=torch.float32) if len(packed) > 1 or dtype != torch.bfloat16 else None
+    out16 = torch.empty(k, n, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
     for i, (p, sz) in enumerate(zip(packed, scales_zeros)):
-        szf = sz.to(torch.float32).contiguous()
-        if fns["strata_int4pack_dequant_t"](p.data_ptr(), szf.data_ptr(), rows, n, k, group, int(i == 0),
-                                           out.data_ptr(), torch.get_num_threads()) != 0:
-            raise ValueError(f"strata_int4pack_dequant_t refused a [{n}, {k}] weight of {rows} packed rows")
-    return out
+        last = out16 is not None and i == len(packed) - 1
+        _dequant_t(fns, p, sz.to(torch.float32).contiguous(), rows, n, k, group, i == 0, acc, out16 if last else None,
+                   torch.get_num_threads())
+    return out16 if out16 is not None else acc.to(dtype)
 
 
 @lru_cache(maxsize=1)
@@ -205,15 +215,17 @@ def _int4pack_ok() -> bool:
                 scale = sz[..., 0].t()[:n].repeat_interleave(group, 1)
                 zero = sz[..., 1].t()[:n].repeat_interleave(group, 1)
                 w = v[:n].float() * scale + (zero - 8 * scale)
-                acc = w if acc is None else acc + w
-            out = torch.empty(k, n, dtype=torch.float32)
-            for i, (p, sz) in enumerate(zip(packed, szs)):
-                if fns["strata_int4pack_dequant_t"](p.data_ptr(), sz.contiguous().data_ptr(), rows, n, k, group,
-                                                   int(i == 0), out.data_ptr(), 2) != 0:
-                    raise KernelRefused("strata_int4pack_dequant_t refused a weight")
-            if not torch.equal(out.t(), acc):
+                first, acc = (w, w) if acc is None else (first, acc + w)
+            both, one = torch.empty(k, n), torch.empty(k, n)
+            both16, one16 = torch.empty(k, n, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
+            for i, acc_to, out16 in ((0, both, None), (1, both, None),  # two planes in float32
+                                     (0, one, None), (1, one, both16),  # two planes, the sum rounded to bfloat16
+                                     (0, None, one16)):  # one plane straight to bfloat16
+                _dequant_t(fns, packed[i], szs[i].contiguous(), rows, n, k, group, i == 0, acc_to, out16, 2)
+            if not (torch.equal(both.t(), acc) and torch.equal(both16.t(), acc.bfloat16())
+                    and torch.equal(one16.t(), first.bfloat16())):
                 raise KernelRefused("strata_int4pack_dequant_t disagrees with torch's dequantize")
-    except (RuntimeError, AttributeError) as err:  # KernelRefused, or a torch without the packer
+    except (RuntimeError, ValueError, AttributeError) as err:  # KernelRefused, a refusal, a torch without the packer
         log.warning("torch's int4 planes dequantized by torch: %s", err)
         return False
     return True

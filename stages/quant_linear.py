@@ -239,10 +239,10 @@ class QuantLinear:
         shifted in place, one rounding to the compute dtype at the end (as the kernel rounds once)."""
         n, k = self.shape
         g = self.group
-        wt = byte_rows.int4pack_transposed(self.packed, self.scales_zeros, self.rows, n, k, g) \
+        wt = byte_rows.int4pack_transposed(self.packed, self.scales_zeros, self.rows, n, k, g, self.dtype) \
             if self.device.type == "cpu" else None
         if wt is not None:  # the same values, by stages/byte_rows.py's library (its rule 6), transposed
-            return wt.to(self.dtype).t()
+            return wt.t()
         out = None
         for p, sz in zip(self.packed, self.scales_zeros):
             w = _cpu_values(p, self.rows, k).view(self.rows, k // g, g)[:n]

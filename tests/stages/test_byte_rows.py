@@ -144,7 +144,7 @@ def test_a_wrong_int4pack_dequantize_leaves_it_to_torch(fresh_library, tmp_path)
     assert not byte_rows._int4pack_ok()
     planes, w = weights("Q4_0")
     q = QuantLinear(planes, torch.float32, "cpu")
-    assert byte_rows.int4pack_transposed(q.packed, q.scales_zeros, q.rows, N, K, 32) is None
+    assert byte_rows.int4pack_transposed(q.packed, q.scales_zeros, q.rows, N, K, 32, torch.float32) is None
     torch.testing.assert_close(q.dequantize(), w)
 
 
