@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant = sub.add_parser("quant", help="kept-quantized projection: int4 kernel, dequantize + GEMM vs bfloat16")
     common(quant)
     quant.add_argument("--shapes", type=word_list, default=["768x768", "3072x768", "768x3072"])
-    quant.add_argument("--kinds", type=word_list, default=["Q4_K", "Q8_0"])
+    quant.add_argument("--kinds", type=word_list, default=["Q4_K", "Q4_0", "Q8_0", "Q5_0"])
     quant.add_argument("--rows", type=int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     quant.add_argument("--repeats", type=int, default=20)
     quant.add_argument("--threads", type=int, default=2)

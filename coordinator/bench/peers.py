@@ -365,9 +365,8 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
     with StrataServer(path, port, tmp / f"{peer}.log") as server:
         found, text = measure_server(server.url, args, prompts, spec)
         weights = stage_weight_bytes(server.url)
-    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.dtype {cfg['engine']['dtype']}, "
-                 f"engine.pipeline {cfg['engine']['pipeline']}, "
-                 f"engine.threads {cfg['engine']['threads']} each, "
+    notes.append(f"{peer}: {n_stages} CPU stage(s), engine.pipeline {cfg['engine']['pipeline']}, "
+                 f"engine.threads {cfg['engine']['threads']} each, engine.dtype {cfg['engine']['dtype']}, "
                  f"layers {[s['layers'] for s in cfg['stages']]}, parallel {cfg['engine']['parallel']}, "
                  f"weights as loaded per stage (MiB) {[round(w / 2**20, 1) for w in weights]}")
     notes.append(short_note(peer, found, args.output_tokens))
