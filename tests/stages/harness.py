@@ -89,3 +89,19 @@ def use_wrong_source(module: ModuleType, edit: tuple[str, str], tmp_path: Path,
     bad.write_text(wrong)
     monkeypatch.setattr(module, "SOURCE", bad)
     monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+
+
+def gguf_blocks(kind: str, n: int, k: int, seed: int = 0):
+    """The raw blocks of a [n, k] GGUF tensor of type `kind`: gguf's quantizer on seeded normal values where it has
+    one, else random bytes with sane f16 scales (the k-quants)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[kind]
+    if not kind.endswith("_K"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    return raw.reshape(n, -1)

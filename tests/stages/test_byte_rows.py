@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from stages import byte_rows
 from stages.byte_rows import MAX_ROWS, ByteLinear
 from stages.quant_linear import QuantLinear, pack, planes_from_gguf
-from tests.stages.harness import use_wrong_source
+from tests.stages.harness import gguf_blocks, use_wrong_source
 
 gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(not byte_rows.available(), reason=f"no byte-rows kernel here: "
@@ -33,15 +33,8 @@ def fresh_library(monkeypatch):
 
 
 def blocks(kind: str, seed: int = 0) -> np.ndarray:
-    """Raw blocks of a [N, K] tensor: gguf's quantizer where it has one, else random bytes with sane f16 scales."""
-    rng = np.random.default_rng(seed)
-    t = gguf.GGMLQuantizationType[kind]
-    if not kind.endswith("_K"):
-        return gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), t)
-    block, size = gguf.GGML_QUANT_SIZES[t]
-    raw = rng.integers(0, 256, (N * K // block, size), dtype=np.uint8)
-    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
-    return raw.reshape(N, -1)
+    """Raw blocks of a [N, K] tensor (tests/stages/harness.py gguf_blocks)."""
+    return gguf_blocks(kind, N, K, seed)
 
 
 def weights(kind: str, seed: int = 0):

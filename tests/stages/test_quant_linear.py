@@ -16,21 +16,15 @@ from stages import byte_rows
 from stages.byte_rows import ByteLinear
 from stages.quant_linear import (KERNEL_MAX_ROWS, PLANE_FORMATS, QuantEmbedding, QuantLinear, RowStack,
                                  cpu_layout_ok, fuse_rows, linear, pack, planes_from_gguf)
+from tests.stages.harness import gguf_blocks
 
 gguf = pytest.importorskip("gguf")
 N, K = 96, 512  # 96 rows: not a multiple of the CPU packer's 64-row block
 
 
 def blocks(kind: str, n: int = N, k: int = K, seed: int = 0) -> np.ndarray:
-    """A [n, k] tensor's raw blocks: gguf's quantizer where it has one, else random bytes with sane f16 scales."""
-    rng = np.random.default_rng(seed)
-    t = gguf.GGMLQuantizationType[kind]
-    if not kind.endswith("_K"):
-        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
-    block, size = gguf.GGML_QUANT_SIZES[t]
-    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
-    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
-    return raw.reshape(n, -1)
+    """A [n, k] tensor's raw blocks (tests/stages/harness.py gguf_blocks)."""
+    return gguf_blocks(kind, n, k, seed)
 
 
 def dequantized(kind: str, raw: np.ndarray) -> torch.Tensor:
