@@ -9,12 +9,12 @@ is one call of a C function that runs the same C functions in the same order.
 
 Rules:
 1. Only for a step whose rows are all decode rows (one decode group over the step's rows, in order), at most
-   packed_rows.MAX_ROWS and byte_rows.MAX_ROWS of them, on a CPU stage in float32 reading the pool itself
-   (`KVCache` with float32 or int8 K/V, not the device window's view), and only for a dense attention layer (no
-   linear attention, no routed experts, no output gate) whose four products are each read from packed panels
-   (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a quantized GGUF model in float32)
-   and whose norms are float32. Every other step and layer runs the Python path of stages/model.py, unchanged; a
-   step may mix both.
+   packed_rows.MAX_ROWS of them (byte_rows.MAX_ROWS for a layer with byte rows: `Layer.max_rows`), on a CPU stage
+   in float32 reading the pool itself (`KVCache` with float32 or int8 K/V, not the device window's view), and
+   only for a dense attention layer (no linear attention, no routed experts, no output gate) whose four products
+   are each read from packed panels (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a
+   quantized GGUF model in float32) and whose norms are float32. Every other step and layer runs the Python path
+   of stages/model.py, unchanged; a step may mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
    products and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library),
    in the same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells
@@ -126,14 +126,15 @@ def _f32(t: object, shape: tuple[int, ...]) -> bool:
 class Layer:
     """Rule 3: one layer's fixed arguments, or `Layer.of` gives None where rule 1 keeps the Python path."""
 
-    def __init__(self, struct: _Layer, keep: list[torch.Tensor]) -> None:
+    def __init__(self, struct: _Layer, keep: list[torch.Tensor], max_rows: int) -> None:
         self.struct, self.keep = struct, keep  # keep: the tensors the struct points into
+        self.max_rows = max_rows  # the most rows its products' kernels take (rule 1)
 
     @classmethod
     def of(cls, w: dict, hidden: int, head_dim: int) -> "Layer | None":
         if "experts.gate_up" in w:
             return None
-        weights, keep = {}, []
+        weights, keep, max_rows = {}, [], packed_rows.MAX_ROWS
         for field, name in _WEIGHTS:
             weight, bias = w.get(name + ".weight"), w.get(name + ".bias")
             if isinstance(weight, PackedLinear) and weight.panels is not None:
@@ -142,6 +143,7 @@ class Layer:
             elif isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
                 (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
                 struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits)
+                max_rows = min(max_rows, byte_rows.MAX_ROWS)
             else:
                 return None
             if bias is not None and not _f32(bias, (n,)):
@@ -157,7 +159,7 @@ class Layer:
             return None
         keep += [n for n in norms if n is not None]
         ptrs = [None if n is None else n.data_ptr() for n in norms]
-        return cls(_Layer(*ptrs, **weights), keep)
+        return cls(_Layer(*ptrs, **weights), keep, max_rows)
 
 
 class Step:
@@ -182,8 +184,7 @@ class Step:
                 and cpu_attention.takes(kv, torch.float32, heads)):  # float32 queries: float32 or int8 K/V
             return None
         g, n = batch.groups[0], batch.num_tokens
-        most = min(packed_rows.MAX_ROWS, byte_rows.MAX_ROWS)
-        if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= most
+        if not (g.kind == "decode" and g.rows == range(0, n) and 0 < n <= packed_rows.MAX_ROWS
                 and cos.dtype == torch.float32 and cos.shape == (n, kv.head_dim) and available()):
             return None
         return cls(batch, kv, cos, sin, hidden, heads, eps, scale)

@@ -34,11 +34,11 @@ def _ckpt(tmp_path, arch: str):
                                            intermediate=256))
 
 
-def _pool(model: StageModel, kv_dtype=torch.float32) -> KVCache:
-    kv = KVCache(model.num_kv_layers, 4 * TABLE, CELLS, model.kv_heads, model.head_dim, kv_dtype, "cpu", n_slots=4,
-                 table_chunks=TABLE)
-    for s in range(4):  # scattered: slot s holds chunks s, s + 4, s + 8, ...
-        kv.set_table(s, [s + 4 * i for i in range(TABLE)])
+def _pool(model: StageModel, kv_dtype=torch.float32, slots: int = 4) -> KVCache:
+    kv = KVCache(model.num_kv_layers, slots * TABLE, CELLS, model.kv_heads, model.head_dim, kv_dtype, "cpu",
+                 n_slots=slots, table_chunks=TABLE)
+    for s in range(slots):  # scattered: slot s holds chunks s, s + slots, s + 2 slots, ...
+        kv.set_table(s, [s + slots * i for i in range(TABLE)])
     return kv
 
 
@@ -99,6 +99,25 @@ def test_a_quantized_gguf_model_in_float32_runs_its_byte_rows_in_the_call(tmp_pa
                for n in ("qkv", "gate_up", "mlp.down_proj"))
     assert all(layer is not None for layer in model.decode_layers())
     _same_steps(ckpt, monkeypatch, torch.float32)
+
+
+@needs_layer
+def test_a_layer_of_byte_rows_takes_no_more_rows_than_their_kernel(tmp_path, monkeypatch):
+    """Rule 1: with packed rows set to more rows than byte rows take, a step of byte-rows layers with more rows than
+    byte_rows.MAX_ROWS keeps the Python path (the same values), one within it runs the call."""
+    if not byte_rows.available():
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    src = make_tiny_model(tmp_path / "q", arch="qwen3", layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    model = StageModel(load_checkpoint(write_gguf(src, tmp_path / "q.gguf", "Q8_0")), 0, 3, dtype=torch.float32)
+    monkeypatch.setattr(decode_layer.packed_rows, "MAX_ROWS", byte_rows.MAX_ROWS + 4)
+    assert all(layer.max_rows == byte_rows.MAX_ROWS for layer in model.decode_layers())
+    calls = Calls(monkeypatch)
+    for rows, fused in ((byte_rows.MAX_ROWS + 2, 0), (byte_rows.MAX_ROWS, 3)):
+        kv = _pool(model, slots=rows)
+        batch = StepBatch.from_slots([[s, 3, 1, 1] for s in range(rows)])
+        before = calls.n
+        model.forward(batch, kv, torch.tensor([7] * rows))
+        assert calls.n - before == fused, rows
 
 
 def _same_steps(ckpt, monkeypatch, kv_dtype) -> None:
