@@ -133,6 +133,20 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
             const float sg = s[i * groups + g], bg = b[i * groups + g];
             for (int64_t j = 0; j < group; j += 32) {
                 const int64_t k = g * group + j;
+#ifdef __AVX512F__
+                __m512 v0, v1;
+                if (bits == 8) {
+                    v0 = bytes16(qn + k);
+                    v1 = bytes16(qn + k + 16);
+                } else {
+                    const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qn + k / 2)));
+                    v0 = _mm512_cvtepi32_ps(_mm512_and_si512(p, _mm512_set1_epi32(15)));
+                    v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4));
+                }
+                const __m512 sv = _mm512_set1_ps(sg), bv = _mm512_set1_ps(bg);
+                _mm512_storeu_ps(row, _mm512_fmadd_ps(sv, v0, bv));
+                _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(sv, v1, bv));
+#else
                 if (bits == 8)
                     for (int t = 0; t < 32; t++) row[t] = fmaf(sg, (float)qn[k + t], bg);
                 else
@@ -141,6 +155,7 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
                         row[t] = fmaf(sg, (float)(v & 15), bg);
                         row[t + 16] = fmaf(sg, (float)(v >> 4), bg);
                     }
+#endif
                 if (bf16) {
                     uint16_t *o = (uint16_t *)out + i * kk + k;
                     for (int t = 0; t < 32; t++) {
