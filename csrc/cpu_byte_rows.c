@@ -22,7 +22,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define BYTE_MAX_ROWS 8
 
@@ -42,17 +41,26 @@ static inline __m512 bytes16(const uint8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
 }
 
-/* Values k .. k + 31 of a row (k a multiple of 32) as two times 16 floats, scaled: from bytes (B 8) or from 16
-   bytes holding values k + j in the low nibble and k + 16 + j in the high one (B 4). */
-#define BLOCK32(B, qn, k, scale, w0, w1)                                                                          \
-    if (B == 8) {                                                                                                 \
-        w0 = _mm512_mul_ps(bytes16(qn + k), scale);                                                               \
-        w1 = _mm512_mul_ps(bytes16(qn + k + 16), scale);                                                          \
-    } else {                                                                                                      \
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qn + k / 2)));                  \
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), scale);               \
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale);                                   \
+/* Values k .. k + 31 of a row (k a multiple of 32) as two times 16 floats: from bytes (bits 8) or from 16 bytes
+   holding values k + j in the low nibble and k + 16 + j in the high one (bits 4). */
+static inline void values32(const uint8_t *qn, int64_t k, int bits, __m512 *v0, __m512 *v1) {
+    if (bits == 8) {
+        *v0 = bytes16(qn + k);
+        *v1 = bytes16(qn + k + 16);
+    } else {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qn + k / 2)));
+        *v0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+        *v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
     }
+}
+
+/* 16 floats rounded to bfloat16, to nearest even (finite values), stored under `mask`. */
+static inline void store_bf16(uint16_t *dst, __mmask16 mask, __m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+    _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(r));
+}
 
 #define BYTE_ROWS(B, R)                                                                                           \
     case R: {                                                                                                     \
@@ -64,7 +72,8 @@ static inline __m512 bytes16(const uint8_t *q) {
             for (int64_t j = 0; j < group; j += 32) {                                                             \
                 const int64_t k = g * group + j;                                                                  \
                 __m512 w0, w1;                                                                                    \
-                BLOCK32(B, qn, k, scale, w0, w1)                                                                  \
+                values32(qn, k, B, &w0, &w1);                                                                     \
+                w0 = _mm512_mul_ps(w0, scale), w1 = _mm512_mul_ps(w1, scale);                                     \
                 _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                             \
                     acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * kk + k), acc[m]);                        \
                     acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * kk + k + 16), acc[m]);                   \
@@ -119,57 +128,37 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
 /* The whole weight, dequantized: out[n][k] = s[n][g] * q[n][k] + b[n][g] by one fused multiply-add in float32, into
    float32 `out` (bf16 0) or rounded to bfloat16 to nearest even (bf16 1: `out` holds uint16 words), the rows shared
    statically by `threads` OpenMP threads. A prefill piece multiplies it by one GEMM (stages/byte_rows.py rule 3).
-   Returns 0, or -1 on arguments it refuses. */
+   Returns 0, -1 on arguments it refuses, -2 when built without AVX-512. */
 int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
                         int64_t group, void *out, int bf16, int threads) {
+#ifdef __AVX512F__
     if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
         return -1;
     const int64_t groups = kk / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
-        float row[32];
         for (int64_t g = 0; g < groups; g++) {
-            const float sg = s[i * groups + g], bg = b[i * groups + g];
-            for (int64_t j = 0; j < group; j += 32) {
-                const int64_t k = g * group + j;
-#ifdef __AVX512F__
+            const __m512 sv = _mm512_set1_ps(s[i * groups + g]), bv = _mm512_set1_ps(b[i * groups + g]);
+            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 __m512 v0, v1;
-                if (bits == 8) {
-                    v0 = bytes16(qn + k);
-                    v1 = bytes16(qn + k + 16);
-                } else {
-                    const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qn + k / 2)));
-                    v0 = _mm512_cvtepi32_ps(_mm512_and_si512(p, _mm512_set1_epi32(15)));
-                    v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4));
-                }
-                const __m512 sv = _mm512_set1_ps(sg), bv = _mm512_set1_ps(bg);
-                _mm512_storeu_ps(row, _mm512_fmadd_ps(sv, v0, bv));
-                _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(sv, v1, bv));
-#else
-                if (bits == 8)
-                    for (int t = 0; t < 32; t++) row[t] = fmaf(sg, (float)qn[k + t], bg);
-                else
-                    for (int t = 0; t < 16; t++) {
-                        const uint8_t v = qn[k / 2 + t];
-                        row[t] = fmaf(sg, (float)(v & 15), bg);
-                        row[t + 16] = fmaf(sg, (float)(v >> 4), bg);
-                    }
-#endif
+                values32(qn, k, bits, &v0, &v1);
+                v0 = _mm512_fmadd_ps(sv, v0, bv), v1 = _mm512_fmadd_ps(sv, v1, bv);
                 if (bf16) {
-                    uint16_t *o = (uint16_t *)out + i * kk + k;
-                    for (int t = 0; t < 32; t++) {
-                        uint32_t u;
-                        memcpy(&u, &row[t], 4);
-                        o[t] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-                    }
+                    store_bf16((uint16_t *)out + i * kk + k, 0xFFFF, v0);
+                    store_bf16((uint16_t *)out + i * kk + k + 16, 0xFFFF, v1);
                 } else {
-                    memcpy((float *)out + i * kk + k, row, sizeof(row));
+                    _mm512_storeu_ps((float *)out + i * kk + k, v0);
+                    _mm512_storeu_ps((float *)out + i * kk + k + 16, v1);
                 }
             }
         }
     }
     return 0;
+#else
+    (void)q, (void)bits, (void)s, (void)b, (void)n, (void)kk, (void)group, (void)out, (void)bf16, (void)threads;
+    return -2;
+#endif
 }
 
 /* One int4 plane in the layout torch's CPU packer writes (stages/quant_linear.py checks it: `cpu_layout_ok`), added
@@ -216,15 +205,10 @@ __attribute__((optimize("fp-contract=off"))) int strata_int4pack_dequant_t(const
                     const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), _mm512_load_ps(sc + 16 * j));
                     const __m512 w = _mm512_add_ps(scaled, _mm512_load_ps(base + 16 * j));
                     const __m512 out = first ? w : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], dst + 16 * j), w);
-                    if (out16) { /* the last plane: rounded to bfloat16, to nearest even */
-                        const __m512i u = _mm512_castps_si512(out);
-                        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                        const __m512i r = _mm512_srli_epi32(
-                            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-                        _mm256_mask_storeu_epi16(out16 + k * n + n0 + 16 * j, mask[j], _mm512_cvtepi32_epi16(r));
-                    } else {
+                    if (out16) /* the last plane: rounded to bfloat16 */
+                        store_bf16(out16 + k * n + n0 + 16 * j, mask[j], out);
+                    else
                         _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
-                    }
                 }
             }
         }

@@ -27,8 +27,8 @@ Rules:
 5. The library is compiled, cached, trusted and checked by the rules of stages/cpu_build.py (its first-use check:
    the kernel's products of 1 to MAX_ROWS rows against F.linear in float64 over the dequantized weight, and the
    dequantized weight in float32 and bfloat16 against torch's, on seeded weights of both widths with groups of 32
-   and 128); a failure leaves `available()` False with
-   `unavailable_reason()`, and the planes keep stages/quant_linear.py's packing. `STRATA_BYTE_ROWS=0` (or
+   and 128); a failure leaves `available()` False with `unavailable_reason()`, and the planes keep
+   stages/quant_linear.py's packing. `STRATA_BYTE_ROWS=0` (or
    `STRATA_CPU_KERNELS=0`) turns it off.
 6. The planes that stay stages/quant_linear.py's (one plane in bfloat16) are dequantized for a prefill piece by the
    library too (`int4pack_transposed`: torch's CPU packing read in place, the weight written transposed, [K, N], so
@@ -205,8 +205,7 @@ def _int4pack_ok() -> bool:
     try:
         for n, k, group in ((64, 64, 32), (100, 256, 128)):
             rows = -(-n // 64) * 64
-            acc = None
-            packed, szs = [], []
+            packed, szs, ws = [], [], []
             for _ in range(2):
                 v = torch.randint(0, 16, (rows, k), dtype=torch.int32, generator=g)
                 sz = torch.randn(k // group, rows, 2, generator=g)
@@ -214,8 +213,8 @@ def _int4pack_ok() -> bool:
                 szs.append(sz)
                 scale = sz[..., 0].t()[:n].repeat_interleave(group, 1)
                 zero = sz[..., 1].t()[:n].repeat_interleave(group, 1)
-                w = v[:n].float() * scale + (zero - 8 * scale)
-                first, acc = (w, w) if acc is None else (first, acc + w)
+                ws.append(v[:n].float() * scale + (zero - 8 * scale))
+            first, acc = ws[0], ws[0] + ws[1]
             both, one = torch.empty(k, n), torch.empty(k, n)
             both16, one16 = torch.empty(k, n, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
             for i, acc_to, out16 in ((0, both, None), (1, both, None),  # two planes in float32

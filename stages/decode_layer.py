@@ -28,8 +28,7 @@ Rules:
    as it was.
 4. The library is built, cached, trusted and checked by the rules of stages/cpu_build.py: at first use one
    seeded layer (biases, q/k norms, byte rows, two entries over scattered chunks) against a float64 torch
-   reference, and
-   its int8 K/V rows and scales against quantize_int8 of the float32 ones.
+   reference, and its int8 K/V rows and scales against quantize_int8 of the float32 ones.
    `STRATA_DECODE_LAYER=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
 """
 from __future__ import annotations
@@ -226,7 +225,6 @@ class Step:
 def _self_check(fns: dict[str, object]) -> None:
     """Rule 4: one seeded layer (its down projection byte rows), two decode entries over scattered chunks, against
     float64 torch."""
-
     fns["strata_decode_layer_scratch"].restype = _L
     g = torch.Generator().manual_seed(0)
     hidden, heads, kv_heads, hd, inter, cells, eps = 64, 4, 2, 16, 96, 8, 1e-6

@@ -411,8 +411,7 @@ class StageModel:
         fused = self._decode_step(batch, kv, cos, sin)
         for local, layer in enumerate(self.layers):
             one = fused and self._decode_layers[local]
-            one = one if one and fused.rows <= one.max_rows else None
-            if one:
+            if one and fused.rows <= one.max_rows:
                 h = fused.run(one, self.kv_layers[local], self.sliding_windows[local], h)
             else:
                 h = self._layer(local, layer, h, cos, sin, batch, kv, state)

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from pool.computable import keeps_int4
-from stages import byte_rows
 from pool.gguf_meta import PLANE_COUNTS
+from stages import byte_rows
 
 GROUP = 32
 KERNEL_MAX_ROWS = 24  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant; with

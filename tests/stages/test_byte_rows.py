@@ -173,7 +173,8 @@ def test_the_kernel_refuses_what_it_cannot_compute() -> None:
     ("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),  # the offsets forgotten
     ("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
     ("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
-    ("o[t] = (uint16_t)((u + 0x7FFFu", "o[t] = (uint16_t)((u + 0x8000u"),  # bfloat16 rounded half up, not to even
+    ("_mm512_set1_epi32(0x7FFF), odd", "_mm512_set1_epi32(0x8000), odd"),  # bfloat16 rounded off by one: up from
+    # just under halfway on an odd word
     ("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
 ])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
