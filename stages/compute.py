@@ -4,7 +4,8 @@
 StageRunner it builds, and owns the PUSH socket to the next stage (and, on the last stage of a box with chained
 steps, the one to the first stage's data endpoint: pool/step_chain.py rule 6). `Hidden` holds hidden states from
 the previous stage, or on the first stage the last stage's samples, keyed by step id, until the step that needs
-them runs.
+them runs. While it waits it reads the stage's sockets itself, and sends its answers on them; before work
+that may outlast a heartbeat it lets the I/O thread read them (stages/baton.py).
 """
 from __future__ import annotations
 
@@ -22,27 +23,28 @@ from pool.logs import event
 from pool.curve import connect_with
 from pool.wire import DONE, ERROR, HELLO, HIDDEN, LOAD, OPS, RESULT, SAMPLES, SAVE, STEP, encode
 
+from .baton import Baton
+
 log = logging.getLogger("strata.stage")
 RING_KEEP = 64  # SAMPLES the first stage keeps: a chained step names one of the S + 1 latest steps
 
 
 class Hidden:
-    """Hidden states from the previous stage (on the first stage: the last stage's SAMPLES), by step id, handed
-    from the I/O thread to the compute thread."""
+    """Hidden states from the previous stage (on the first stage: the last stage's SAMPLES), by step id, from
+    whichever thread read them (stages/baton.py) to the step that needs them."""
 
     def __init__(self, keep: int | None = None) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # put by whichever thread holds the baton; abandoned by the I/O thread
         self._items: dict[int, tuple[dict, list]] = {}
         self.keep = keep  # at most this many kept, the latest (SAMPLES: most steps are never named by a chained one)
         self._epoch = 0
         self.closed = False
 
     def put(self, step: int, header: dict, tensors: list) -> None:
-        with self._cond:
+        with self._lock:
             self._items[step] = (header, tensors)
             if self.keep is not None and len(self._items) > self.keep:
                 del self._items[min(self._items)]
-            self._cond.notify_all()
 
     @property
     def epoch(self) -> int:
@@ -51,33 +53,33 @@ class Hidden:
     def abandon(self) -> None:
         """Make every step queued or waiting so far give up (a HELLO came, or shutdown), and forget the hidden
         states that came for them: their step ids belong to the steps given up."""
-        with self._cond:
+        with self._lock:
             self._epoch += 1
             self._items.clear()
-            self._cond.notify_all()
 
-    def take(self, step: int, epoch: int) -> tuple[dict | None, list, str | None]:
-        """(header, tensors, None) for `step` (queued in `epoch`), or (None, [], why) when it will never come."""
-        with self._cond:
-            while True:
-                if step in self._items:
-                    header, tensors = self._items.pop(step)
-                    for old in [s for s in self._items if s < step]:
-                        del self._items[old]
-                    return header, tensors, None
-                if any(s > step for s in self._items):
-                    return None, [], "the previous stage moved on to a later step (it restarted or dropped this one)"
-                if self.closed or self._epoch != epoch:
-                    return None, [], "abandoned: the coordinator reconnected"
-                self._cond.wait(0.5)
+    def poll(self, step: int, epoch: int) -> tuple[dict | None, list, str | None] | None:
+        """(header, tensors, None) for `step` (queued in `epoch`), (None, [], why) when it will never come, or
+        None while it may still come."""
+        with self._lock:
+            if step in self._items:
+                header, tensors = self._items.pop(step)
+                for old in [s for s in self._items if s < step]:
+                    del self._items[old]
+                return header, tensors, None
+            if any(s > step for s in self._items):
+                return None, [], "the previous stage moved on to a later step (it restarted or dropped this one)"
+            if self.closed or self._epoch != epoch:
+                return None, [], "abandoned: the coordinator reconnected"
+            return None
 
 
 class Compute(threading.Thread):
     """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
 
-    def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int,
-                 next_data: str | None = None, hidden_token: str = "", curve: Any = None,
-                 ring_data: str | None = None, takes_samples: bool = False) -> None:
+    def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int, *, baton: Baton,
+                 read: Callable[[int], None], send: Callable[[list], None], next_data: str | None = None,
+                 hidden_token: str = "", curve: Any = None, ring_data: str | None = None,
+                 takes_samples: bool = False) -> None:
         super().__init__(name="stage-compute", daemon=True)
         self.build = build
         self.ctx = ctx
@@ -94,6 +96,10 @@ class Compute(threading.Thread):
         self.hidden = Hidden(RING_KEEP if takes_samples else None)
         self.runner: Any = None
         self.session: str | None = None
+        self.baton = baton  # who reads the stage's sockets (stages/baton.py)
+        self.read = read  # for the baton's holder: read the ROUTER and the PULL for up to N ms, as the I/O thread would
+        self.send = send  # for the baton's holder: frames out on the ROUTER
+        self.stopping = False  # set by the I/O thread at shutdown: stop waiting for the baton
         # Read by the I/O thread for every PONG; "kv_window" is replaced whole, never changed in place.
         self.stats = {"steps_run": 0, "steps_refused": 0, "steps_failed": 0, "busy": False, "kv_window": None,
                       "last_step": None, "busy_s": 0.0, "hidden_wait_s": 0.0}
@@ -114,7 +120,7 @@ class Compute(threading.Thread):
         self._window_stats()
         out.send_multipart([b"R"])
         try:
-            while (item := self.items.get()) is not None:
+            while (item := self._until(self._next_item, (None,))[0]) is not None:
                 kind, ident, header, tensors, epoch = item
                 if kind == HELLO:
                     self._hello(ident, header)
@@ -132,9 +138,44 @@ class Compute(threading.Thread):
         except Exception as err:  # noqa: BLE001 - steps catch their own errors; this is a bug: fatal, not silent
             event(log, "stage.compute_failed", logging.ERROR, stage=self.index, message=str(err),
                   exc=traceback.format_exc())
+            self.baton.give(to_compute=False)  # rule 5: the I/O thread reads the F below and ends the stage
             out.send_multipart([b"F", f"compute thread failed: {err}".encode()])
         finally:
+            self.baton.give(to_compute=False)
             out.close(linger=-1)
+
+    def _next_item(self) -> tuple | None:
+        """(the next queued item or None at shutdown,) or None while nothing is queued."""
+        try:
+            return (self.items.get_nowait(),)
+        except queue.Empty:
+            return None
+
+    def _until(self, ready: Callable[[], Any], stopped: Any) -> Any:
+        """`ready()` once it is not None, reading the sockets meanwhile (baton rule 2); `stopped` at shutdown."""
+        while (got := ready()) is None:
+            if not self._hold():
+                return stopped
+            self.read(100)
+        return got
+
+    def _take(self, step: int, epoch: int) -> tuple[dict | None, list, str | None]:
+        """Hidden.poll's answer for `step`, once it has one."""
+        return self._until(lambda: self.hidden.poll(step, epoch), (None, [], "the stage is stopping"))
+
+    def _hold(self) -> bool:
+        """Take the baton back from the I/O thread (rule 4) unless this thread holds it; False at shutdown."""
+        if self.baton.compute_holds:
+            return True
+        self.out.send_multipart([b"B"])
+        while not self.baton.wait(for_compute=True, timeout=0.1):
+            if self.stopping:
+                return False
+        return True
+
+    def _let_go(self) -> None:
+        """Give the baton to the I/O thread before work that may outlast `hold_s` (rule 3)."""
+        self.baton.give(to_compute=False)
 
     def _push(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -145,7 +186,10 @@ class Compute(threading.Thread):
         return sock
 
     def _to_coord(self, ident: bytes, kind: str, header: dict, tensors: list = ()) -> None:
-        self.out.send_multipart([b"C", ident, *encode(kind, header, tensors)], copy=False)
+        if self.baton.compute_holds:
+            self.send([ident, *encode(kind, header, tensors)])
+        else:  # the I/O thread forwards it (rule 3)
+            self.out.send_multipart([b"C", ident, *encode(kind, header, tensors)], copy=False)
 
     def _hello(self, ident: bytes, header: dict) -> None:
         session = header.get("session")
@@ -174,6 +218,7 @@ class Compute(threading.Thread):
         """SAVE or LOAD one session file part; the answer (DONE) says whether it worked and why not."""
         from pool.snapshot import SnapshotError
 
+        self._let_go()
         t0 = time.perf_counter()
         try:
             if kind == SAVE:
@@ -213,7 +258,7 @@ class Compute(threading.Thread):
         hidden = None
         if self.has_prev:
             t0 = time.perf_counter()
-            hidden_header, hidden_tensors, why = self.hidden.take(sid, epoch)
+            hidden_header, hidden_tensors, why = self._take(sid, epoch)
             self.stats["hidden_wait_s"] += time.perf_counter() - t0  # the pipeline's bubble, seen from here
             origin = self.index
             if why is None and hidden_header.get("error"):
@@ -238,6 +283,9 @@ class Compute(threading.Thread):
                 self._pass_error(sid, why)
                 return
         tokens = from_raw(tensors[0]) if tensors else None
+        rows = sum(int(entry[2]) for entry in header["slots"])
+        if not self.baton.keeps(rows):
+            self._let_go()
         self.stats["busy"] = True
         t0 = time.perf_counter()
         try:
@@ -249,6 +297,7 @@ class Compute(threading.Thread):
             self.stats["busy"] = False
             self.stats["busy_s"] += time.perf_counter() - t0
             self._window_stats()
+        self.baton.ran(rows, time.perf_counter() - t0)
         self.stats["steps_run"] += 1
         if self.has_next:
             self._to_next(encode(HIDDEN, {"step": sid, "box": self.hidden_token, "session": self.session}, [to_raw(out)]))
@@ -264,7 +313,7 @@ class Compute(threading.Thread):
             for named in sorted({int(entry[1]) for entry in header["chain"]}):
                 if named <= self.ring_taken:  # already recorded (Samples.fill checks each slot)
                     continue
-                got, _, why = self.hidden.take(named, epoch)
+                got, _, why = self._take(named, epoch)
                 if why is None and got.get("error"):
                     why = f"it failed on the way: {got['error']}"
                 if why is not None:

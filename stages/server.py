@@ -2,7 +2,10 @@
 
     strata-stage --device N --config box.yaml [--set key=value ...]     (N indexes `stages:`)
 
-Shape: bind, build, handshake, loop. Two threads, so a PING is answered while a step computes:
+Shape: bind, build, handshake, loop. Two threads, so a PING is answered while a step computes; the ROUTER and the
+PULL are read by one of them at a time, the holder of the baton (stages/baton.py): the compute thread while it waits
+for work or runs a step expected to end within a tenth of `stage_timeout_ms`, the I/O thread otherwise. As the
+I/O thread reads them:
 
     I/O thread (main; ROUTER and PULL)                        compute thread (the StageRunner, PUSH)
     ROUTER  endpoint   <- coordinator: HELLO OPS STEP      ──queue (in order)──>  hello / apply / step /
@@ -63,6 +66,7 @@ from pool.curve import authenticator, load_keys, serve_on
 from pool.runtime import Hold, InUse, RuntimeDirError, box_key, hold, private_dir, same_token
 from pool.logs import event, setup_logging
 
+from .baton import Baton
 from .compute import Compute
 from .ownership import Ownership
 from pool import pipeline, step_chain
@@ -131,8 +135,15 @@ class StageServer:
         last = index == len(cfg.stages) - 1
         next_data = cfg.stages[index + 1].data if not last else None
         ring_data = cfg.stages[0].data if self.ring and last else None
-        self.compute = Compute(build, self.ctx, index, len(cfg.stages), next_data, self.owners.hidden_token,
-                               self.curve, ring_data, takes_samples=self.ring and index == 0)
+        self.baton = Baton(cfg.coordinator.stage_timeout_ms / 1000 / 10)
+        self.compute = Compute(build, self.ctx, index, len(cfg.stages), baton=self.baton, read=self._read,
+                               send=lambda frames: self.router.send_multipart(frames, copy=False),
+                               next_data=next_data, hidden_token=self.owners.hidden_token, curve=self.curve,
+                               ring_data=ring_data, takes_samples=self.ring and index == 0)
+        self._compute_poller = zmq.Poller()  # the compute thread's, while it holds the baton
+        for sock in (self.router, self.pull):
+            if sock is not None:
+                self._compute_poller.register(sock, zmq.POLLIN)
         self.peer: bytes | None = None  # the coordinator's identity, once its HELLO was accepted
         self.fatal: str | None = None
         self.ready = False
@@ -152,9 +163,12 @@ class StageServer:
                 poller.register(s, zmq.POLLIN)
         fatal_since = 0.0
         while not self.stop.is_set():
+            if self.baton.compute_holds:  # it reads the sockets now; it gives them back before long work
+                self.baton.wait(for_compute=False, timeout=0.1)
+                continue
             events = dict(poller.poll(100))
-            if self.results in events:
-                self._from_compute()
+            if self.results in events and not self._from_compute():
+                continue  # the baton went to the compute thread: the sockets are its own now
             if self.router in events:
                 self._from_coord()
             if self.pull is not None and self.pull in events:
@@ -168,7 +182,8 @@ class StageServer:
                     return 1
         return 0
 
-    def _from_compute(self) -> None:
+    def _from_compute(self) -> bool:
+        """Forward the compute thread's answers; False once it asked for the baton back (then given)."""
         for frames in _waiting(self.results):
             dest = frames[0].bytes
             if dest == b"C":
@@ -178,6 +193,19 @@ class StageServer:
                 event(log, "stage.ready", stage=self.index, detail=self.compute.runner.describe())
             elif dest == b"F":
                 self.fatal = frames[1].bytes.decode()
+            elif dest == b"B":  # after every answer before it (baton rule 4); nothing follows it on the pair
+                self.baton.give(to_compute=True)
+                return False
+        return True
+
+    def _read(self, timeout_ms: int) -> None:
+        """The compute thread, holding the baton: wait up to `timeout_ms` for the ROUTER or the PULL, and take in
+        what came as the I/O thread would (a PING answered, the rest queued or kept for the step that needs it)."""
+        events = dict(self._compute_poller.poll(timeout_ms))
+        if self.router in events:
+            self._from_coord()
+        if self.pull in events:
+            self._from_prev()
 
     def _from_coord(self) -> None:
         for frames in _waiting(self.router):
@@ -202,7 +230,7 @@ class StageServer:
             if kind == PING:
                 runner = self.compute.runner
                 pong = {"version": runner.version if runner is not None else None, "ready": self.ready,
-                        **self.compute.stats}
+                        **self.compute.stats, "baton_passes": self.baton.passes}
                 self.router.send_multipart([ident, *encode(PONG, pong)])
             elif kind == BYE:
                 event(log, "stage.bye", stage=self.index, session=header.get("session"))
@@ -243,6 +271,7 @@ class StageServer:
     def close(self) -> None:
         """Stop the compute thread, close the sockets, remove bound ipc files."""
         self.compute.items.put(None)
+        self.compute.stopping = True
         self.compute.hidden.closed = True
         self.compute.hidden.abandon()
         if self.compute.is_alive():
