@@ -15,7 +15,10 @@
 
    A step of few rows is bound by reading the weight (1.25 or 0.75 bytes per value, against 4 for float32): the
    output rows are shared statically by `threads` OpenMP threads (the libgomp torch has loaded), each streaming its
-   rows of q once for every row of x.
+   rows of q once for every row of x. Nibble pairs are prefetched BYTE_PREFETCH bytes ahead as non-temporal
+   (prefetchnta), their scales and offsets BYTE_PREFETCH_ROWS rows ahead: a 1-row step of the 104M qwen3 in Q4_K
+   ~1.5x faster on an Intel VM where the hardware prefetcher alone left the kernel waiting; bytes, read at the
+   bus's pace there already, were 0-8% slower with it and stay without.
 
    Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments it
    refuses, -2 when built without the instructions, -3 when out of memory. */
@@ -24,6 +27,8 @@
 #include <stdlib.h>
 
 #define BYTE_MAX_ROWS 8
+#define BYTE_PREFETCH 2048 /* nibble pairs: bytes of q prefetched ahead (non-temporal), and rows ahead for the */
+#define BYTE_PREFETCH_ROWS 4 /* scales and offsets */
 
 int strata_byte_rows_isa(void) {
 #ifdef __AVX512F__
@@ -72,6 +77,8 @@ static inline void store_bf16(uint16_t *dst, __mmask16 mask, __m512 v) {
             for (int64_t j = 0; j < group; j += 32) {                                                             \
                 const int64_t k = g * group + j;                                                                  \
                 __m512 w0, w1;                                                                                    \
+                if (B == 4 && !((k / 2) & 63))                                                                    \
+                    _mm_prefetch((const char *)(qn + k / 2 + BYTE_PREFETCH), _MM_HINT_NTA);                       \
                 values32(qn, k, B, &w0, &w1);                                                                     \
                 w0 = _mm512_mul_ps(w0, scale), w1 = _mm512_mul_ps(w1, scale);                                     \
                 _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                             \
@@ -111,6 +118,10 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
         const float *sn = s + i * groups, *bn = b + i * groups;
+        for (int64_t line = 0; bits == 4 && line < groups; line += 16) {
+            _mm_prefetch((const char *)(sn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+            _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+        }
         if (bits == 8)
             switch (rows) { ALL_ROWS(8) }
         else
