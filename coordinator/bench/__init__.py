@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="llama-server's K/V cache type (llama-server-f32: f32)")
     peers.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
                        help="llama-server's flash attention (llama-server-f32: off)")
+    peers.add_argument("--llama-repack", choices=["on", "off"], default="on",
+                       help="llama-server's repacking of quantized weights for the CPU (off: --no-repack, for a CPU "
+                       "where loading a repacked file crashes)")
     return p
 
 

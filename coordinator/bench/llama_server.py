@@ -3,7 +3,7 @@
 stream_request: token-id prompts to /v1/completions, greedy, `ignore_eos`), so its figures compare like with like.
 
     llama-server       the server as shipped: K/V cache f16, flash attention auto (both changeable with
-                       --llama-kv and --llama-flash-attn)
+                       --llama-kv and --llama-flash-attn; --llama-repack off adds --no-repack)
     llama-server-f32   K/V cache f32 and flash attention off (the K/V precision of Strata's float32 stages)
 
 The binary is built once by `python -m stages.llama_server build` (stages/llama_server.py: from the llama.cpp
@@ -47,11 +47,11 @@ def kv_and_fa(peer: str, kv: str, flash_attn: str) -> tuple[str, str]:
 
 
 def server_args(binary: str, gguf: str, port: int, slots: int, cells_per_slot: int, threads: int, kv: str,
-                flash_attn: str, alias: str) -> list[str]:
+                flash_attn: str, alias: str, repack: bool = True) -> list[str]:
     """The command line of one llama-server peer: every slot gets cells_per_slot cells of context."""
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", alias,
             "-np", str(slots), "-c", str(slots * cells_per_slot), "-t", str(threads), "-tb", str(threads),
-            "-ctk", kv, "-ctv", kv, "-fa", flash_attn, "--no-webui"]
+            "-ctk", kv, "-ctv", kv, "-fa", flash_attn, *([] if repack else ["--no-repack"]), "--no-webui"]
 
 
 class LlamaServer(ServerProcess):
@@ -88,8 +88,10 @@ def peer_cmd(args: Any, peer: str, binary: str, gguf: str, port: int, slots: int
              cells_per_slot: int) -> tuple[list[str], str]:
     """The peer's command line and a note saying how it ran."""
     kv, fa = kv_and_fa(peer, args.llama_kv, args.llama_flash_attn)
-    cmd = server_args(binary, gguf, port, slots, cells_per_slot, args.threads, kv, fa, alias=peer)
+    repack = getattr(args, "llama_repack", "on") == "on"
+    cmd = server_args(binary, gguf, port, slots, cells_per_slot, args.threads, kv, fa, alias=peer, repack=repack)
     note = (f"{peer}: llama.cpp's server ({binary}) on {Path(gguf).name}: -np {slots} -c {slots * cells_per_slot} "
-            f"(continuous batching), -t/-tb {args.threads}, K/V cache {kv}, flash attention {fa}; the other "
+            f"(continuous batching), -t/-tb {args.threads}, K/V cache {kv}, flash attention {fa}"
+            f"{'' if repack else ', --no-repack (quantized weights read in their file layout)'}; the other "
             "settings as shipped")
     return cmd, note

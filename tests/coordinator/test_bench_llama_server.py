@@ -47,6 +47,10 @@ def test_server_args_give_every_slot_its_cells_and_the_thread_budget() -> None:
     assert llama_server.kv_and_fa("llama-server", "f16", "auto") == ("f16", "auto")
     assert llama_server.kv_and_fa("llama-server", "f32", "on") == ("f32", "on")  # --llama-kv, --llama-flash-attn
     assert llama_server.kv_and_fa("llama-server-f32", "f16", "auto") == ("f32", "off")
+    assert "--no-repack" not in cmd
+    plain = llama_server.server_args("/bin/ls", "/m.gguf", 8123, slots=8, cells_per_slot=1280, threads=2, kv="f16",
+                                     flash_attn="auto", alias="llama-server", repack=False)
+    assert plain == cmd[:-1] + ["--no-repack", "--no-webui"]  # --llama-repack off
 
 
 def test_greedy_note() -> None:

@@ -180,12 +180,14 @@ def test_cli_parses_the_mixed_workload_options() -> None:
     assert args.arrivals == "poisson" and args.rate == 2.5 and args.requests is None and args.token_ids == 500
     peers = bench.build_parser().parse_args(["peers", "--workload", "mixed", "--peers",
                                              "strata-1,llama-server,llama-server-f32", "--slots", "8",
-                                             "--llama-kv", "f32", "--llama-flash-attn", "off"])
+                                             "--llama-kv", "f32", "--llama-flash-attn", "off", "--llama-repack",
+                                             "off"])
     assert peers.peers == ["strata-1", "llama-server", "llama-server-f32"] and peers.slots == 8
+    assert peers.llama_repack == "off"
     assert peers.prompt_range == (64, 1024) and peers.output_range == (16, 128) and peers.arrivals == "all"
     for bad in (["serve", "--url", "u", "--prompt-range", "9-8"], ["serve", "--url", "u", "--prompt-range", "0-8"],
                 ["serve", "--url", "u", "--output-range", "a-b"], ["serve", "--url", "u", "--arrivals", "x"],
-                ["peers", "--peers", "llama-server-f16"], ["peers", "--llama-kv", "q4"]):
+                ["peers", "--peers", "llama-server-f16"], ["peers", "--llama-kv", "q4"], ["peers", "--llama-repack", "no"]):
         with pytest.raises(SystemExit):
             bench.build_parser().parse_args(bad)
 
