@@ -187,7 +187,8 @@ def test_cli_parses_the_mixed_workload_options() -> None:
     assert peers.prompt_range == (64, 1024) and peers.output_range == (16, 128) and peers.arrivals == "all"
     for bad in (["serve", "--url", "u", "--prompt-range", "9-8"], ["serve", "--url", "u", "--prompt-range", "0-8"],
                 ["serve", "--url", "u", "--output-range", "a-b"], ["serve", "--url", "u", "--arrivals", "x"],
-                ["peers", "--peers", "llama-server-f16"], ["peers", "--llama-kv", "q4"], ["peers", "--llama-repack", "no"]):
+                ["peers", "--peers", "llama-server-f16"], ["peers", "--llama-kv", "q4"],
+                ["peers", "--llama-repack", "no"]):
         with pytest.raises(SystemExit):
             bench.build_parser().parse_args(bad)
 
