@@ -25,7 +25,8 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   (none when no stage has a window; a stage's values are those of its last heartbeat answer),
   and per stage strata:stage_steps_total, strata:stage_steps_refused_total, strata:stage_steps_failed_total,
   strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
-  (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble), and the
+  (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble),
+  strata:stage_baton_passes_total (its sockets changing threads: stages/baton.py), and the
   gauge strata:stage_weight_bytes (its weights as loaded, from its HELLO).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
 (`slot="parked:<table>"`).
@@ -257,6 +258,9 @@ STAGE_COUNTERS = {
     "stage_hidden_wait_seconds": ("hidden_wait_s", "Seconds a stage's steps waited for the previous stage's hidden "
                                                    "states, or on the first stage for the last one's samples before "
                                                    "a chained step (the pipeline's bubble, seen from that stage)."),
+    "stage_baton_passes": ("baton_passes", "Times a stage's sockets changed threads (stages/baton.py): twice around "
+                                           "each step or session file it expected to outlast a tenth of "
+                                           "stage_timeout_ms, which its I/O thread serves meanwhile."),
 }
 
 

@@ -47,10 +47,12 @@ def live_metrics(sched: Scheduler) -> dict:
 def stage_time(sched: Scheduler) -> list[dict]:
     """Per stage, as of its last PONG: steps run, refused (a stale table version, a chain it cannot fill) and
     failed (an error while computing), seconds computing steps (busy_s) and seconds a step waited for the previous
-    stage's hidden states (hidden_wait_s); a stage that has not answered a PING has no entry."""
+    stage's hidden states (hidden_wait_s), times its sockets changed threads (baton_passes); a stage that has not
+    answered a PING has no entry."""
     return [{"stage": s["index"], "steps_run": s["steps_run"], "steps_refused": s.get("steps_refused", 0),
              "steps_failed": s.get("steps_failed", 0), "busy_s": s.get("busy_s", 0.0),
-             "hidden_wait_s": s.get("hidden_wait_s", 0.0), "weight_bytes": s.get("weight_bytes")}
+             "hidden_wait_s": s.get("hidden_wait_s", 0.0), "baton_passes": s.get("baton_passes", 0),
+             "weight_bytes": s.get("weight_bytes")}
             for s in sched.link.stage_info() if "steps_run" in s]
 
 def kv_window(sched: Scheduler) -> list[dict]:

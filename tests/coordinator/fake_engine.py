@@ -43,8 +43,9 @@ KV_WINDOW = [
 
 # live_metrics()["stages"]: stage 1 waited for stage 0's hidden states a while.
 STAGES = [{"stage": 0, "steps_run": 12, "steps_refused": 2, "steps_failed": 0, "busy_s": 1.5, "hidden_wait_s": 0.0,
-           "weight_bytes": 1_234_567},
-          {"stage": 1, "steps_run": 12, "steps_refused": 0, "steps_failed": 1, "busy_s": 1.25, "hidden_wait_s": 0.5}]
+           "baton_passes": 3, "weight_bytes": 1_234_567},
+          {"stage": 1, "steps_run": 12, "steps_refused": 0, "steps_failed": 1, "busy_s": 1.25, "hidden_wait_s": 0.5,
+           "baton_passes": 5}]
 
 
 class FakeEngine:

@@ -30,7 +30,7 @@ EXPOSED = [
     "strata:kv_pool_evictions_total", "strata:requests_refused_total", "strata:requests_truncated_total",
     "strata:decode_rows_chained_total", *WINDOW_NAMES, "strata:stage_steps_total", "strata:stage_steps_refused_total",
     "strata:stage_steps_failed_total", "strata:stage_busy_seconds_total",
-    "strata:stage_hidden_wait_seconds_total", "strata:stage_weight_bytes",
+    "strata:stage_hidden_wait_seconds_total", "strata:stage_baton_passes_total", "strata:stage_weight_bytes",
 ]
 
 
@@ -118,6 +118,7 @@ def test_stage_time_per_stage(served):
         assert s[("strata:stage_steps_failed_total", label)] == entry["steps_failed"]
         assert s[("strata:stage_busy_seconds_total", label)] == entry["busy_s"]
         assert s[("strata:stage_hidden_wait_seconds_total", label)] == entry["hidden_wait_s"]
+        assert s[("strata:stage_baton_passes_total", label)] == entry["baton_passes"]
         if entry.get("weight_bytes") is not None:
             assert s[("strata:stage_weight_bytes", label)] == entry["weight_bytes"]
         else:

@@ -88,6 +88,8 @@ def test_window_counters_in_both_views(server):
         # none refused or failed, as the stage's own PONG counts them
         assert busy[("strata:stage_steps_refused_total", i)] == busy[("strata:stage_steps_failed_total", i)] == 0
     assert busy[("strata:stage_hidden_wait_seconds_total", "0")] == 0
+    # the sockets went to the compute thread once built, and around the first step (stages/baton.py rule 3)
+    assert all(busy[("strata:stage_baton_passes_total", i)] >= 3 for i in "01")
     # weights as loaded, from each stage's HELLO: the first holds the embedding, the last the lm_head
     assert all(busy[("strata:stage_weight_bytes", i)] > 0 for i in "01")
     assert busy[("strata:stage_hidden_wait_seconds_total", "1")] > 0
