@@ -74,7 +74,8 @@ class Hidden:
 
 
 class Compute(threading.Thread):
-    """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends results over inproc."""
+    """Builds the runner, then runs queued HELLO/OPS/STEP items in order; sends its answers on the ROUTER while it
+    holds the baton, else over inproc for the I/O thread to forward (stages/baton.py)."""
 
     def __init__(self, build: Callable[[], Any], ctx: zmq.Context, index: int, n_stages: int, *, baton: Baton,
                  read: Callable[[int], None], send: Callable[[list], None], next_data: str | None = None,

@@ -58,6 +58,10 @@ def test_short_steps_keep_the_baton_and_a_long_one_hands_it_over(box):
             assert len(out) == 3
             assert await passes(link) >= held + 2
             assert link.stage_info()[0]["steps_failed"] == 0
+            for slot in (0, 1, 2):  # every cell back, on the map and the stage's mirror
+                d.map.shrink(slot, 0)
+            link.send_ops(d.map.drain_ops())
+            assert d.map.free_chunks == b.cfg.engine.n_chunks
         finally:
             link.close()
 
