@@ -20,26 +20,29 @@
    ~1.5x faster on an Intel VM where the hardware prefetcher alone left the kernel waiting; bytes, read at the
    bus's pace there already, were 0-8% slower with it and stay without.
 
-   Built for the CPU it runs on (-march=native); without AVX-512 it only says so. Returns 0, -1 on arguments it
-   refuses, -2 when built without the instructions, -3 when out of memory. */
+   With AVX2 (csrc/cpu_isa.h) the 16-lane accumulator is two vectors of 8 (lanes 0-7 and 8-15) summed in the same
+   tree, and the rows of x are taken AVX2_BYTE_ROWS at a time over the same output (its bytes read again from
+   cache): the same operations per output in the same order, so both builds agree bit for bit. The whole-weight
+   dequantizations below are plain C there (the same single rounding per operation).
+
+   Built for the CPU it runs on (-march=native); without AVX-512 or AVX2 it only says so. Returns 0, -1 on
+   arguments it refuses, -2 when built without the instructions, -3 when out of memory. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "cpu_isa.h"
 
 #define BYTE_MAX_ROWS 8
 #define BYTE_PREFETCH 2048 /* nibble pairs: bytes of q prefetched ahead (non-temporal), and rows ahead for the */
 #define BYTE_PREFETCH_ROWS 4 /* scales and offsets */
 
-int strata_byte_rows_isa(void) {
-#ifdef __AVX512F__
-    return 512;
-#else
-    return 0;
-#endif
-}
+#define AVX2_BYTE_ROWS 4
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+int strata_byte_rows_isa(void) { return STRATA_ISA; }
+
+#if STRATA_ISA == 512
 
 /* The 16 bytes at q as float32. */
 static inline __m512 bytes16(const uint8_t *q) {
@@ -97,11 +100,77 @@ static inline void store_bf16(uint16_t *dst, __mmask16 mask, __m512 v) {
 #define ALL_ROWS(B)                                                                                               \
     BYTE_ROWS(B, 1) BYTE_ROWS(B, 2) BYTE_ROWS(B, 3) BYTE_ROWS(B, 4) BYTE_ROWS(B, 5) BYTE_ROWS(B, 6) BYTE_ROWS(B, 7)  \
     BYTE_ROWS(B, 8)
+#elif STRATA_ISA == 256
+/* The 8 bytes at q as float32. */
+static inline __m256 bytes8(const uint8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* Values k .. k + 31 of a row as four times 8 floats (AVX-512's two times 16: v[0], v[1] its first 16, v[2], v[3]
+   its second), from bytes or nibble pairs as values32 reads them. */
+static inline void values32x8(const uint8_t *qn, int64_t k, int bits, __m256 v[4]) {
+    if (bits == 8) {
+        for (int j = 0; j < 4; j++) v[j] = bytes8(qn + k + 8 * j);
+    } else {
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qn + k / 2)));
+        const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qn + k / 2 + 8)));
+        const __m256i fifteen = _mm256_set1_epi32(15);
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, fifteen));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, fifteen));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+    }
+}
+
+/* Rows x[0 .. R) (R <= AVX2_BYTE_ROWS) by output i, lanes 0-7 of AVX-512's accumulator in lo, 8-15 in hi. */
+#define BYTE_ROWS(B, R)                                                                                           \
+    case R: {                                                                                                     \
+        __m256 lo[R], hi[R];                                                                                      \
+        float off[R];                                                                                             \
+        for (int m = 0; m < R; m++) lo[m] = hi[m] = _mm256_setzero_ps(), off[m] = 0.0f;                           \
+        for (int64_t g = 0; g < groups; g++) {                                                                    \
+            const __m256 scale = _mm256_set1_ps(sn[g]);                                                           \
+            for (int64_t j = 0; j < group; j += 32) {                                                             \
+                const int64_t k = g * group + j;                                                                  \
+                __m256 w[4];                                                                                      \
+                if (B == 4 && !((k / 2) & 63))                                                                    \
+                    _mm_prefetch((const char *)(qn + k / 2 + BYTE_PREFETCH), _MM_HINT_NTA);                       \
+                values32x8(qn, k, B, w);                                                                          \
+                for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], scale);                                    \
+                _Pragma("GCC unroll 4") for (int m = 0; m < R; m++) {                                             \
+                    const float *xk = x + m * kk + k;                                                             \
+                    lo[m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xk), lo[m]);                                    \
+                    hi[m] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xk + 8), hi[m]);                                \
+                    lo[m] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xk + 16), lo[m]);                               \
+                    hi[m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xk + 24), hi[m]);                               \
+                }                                                                                                 \
+            }                                                                                                     \
+            _Pragma("GCC unroll 4") for (int m = 0; m < R; m++)                                                   \
+                off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);                                               \
+        }                                                                                                         \
+        for (int m = 0; m < R; m++)                                                                               \
+            y[m * n + i] = strata_reduce16(lo[m], hi[m]) + off[m] + (bias ? bias[i] : 0.0f);                      \
+        break;                                                                                                    \
+    }
+
+#define ALL_ROWS(B) BYTE_ROWS(B, 1) BYTE_ROWS(B, 2) BYTE_ROWS(B, 3) BYTE_ROWS(B, 4)
+
+/* Rows [m0, m0 + r) of x and y by output i of the weight (sums and y as the caller holds them). */
+static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t *qn, const float *sn,
+                           const float *bn, const float *sums0, int64_t groups, int64_t group, int bits,
+                           const float *bias, float *y0, int64_t n, int64_t i) {
+    const float *x = x0, *sums = sums0;
+    float *y = y0;
+    if (bits == 8)
+        switch (r) { ALL_ROWS(8) }
+    else
+        switch (r) { ALL_ROWS(4) }
+}
 #endif
 
 int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
                      const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
-#ifdef __AVX512F__
+#if STRATA_ISA
     if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 32 || group % 32 || kk % group ||
         (bits != 8 && bits != 4) || threads < 1)
         return -1;
@@ -122,10 +191,16 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
             _mm_prefetch((const char *)(sn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
             _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
         }
+#if STRATA_ISA == 512
         if (bits == 8)
             switch (rows) { ALL_ROWS(8) }
         else
             switch (rows) { ALL_ROWS(4) }
+#else
+        for (int64_t m = 0; m < rows; m += AVX2_BYTE_ROWS)
+            byte_rows_part(x + m * kk, rows - m < AVX2_BYTE_ROWS ? rows - m : AVX2_BYTE_ROWS, kk, qn, sn, bn,
+                           sums + m * groups, groups, group, bits, bias, y + m * n, n, i);
+#endif
     }
     free(sums);
     return 0;
@@ -136,10 +211,17 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
 #endif
 }
 
+/* f rounded to bfloat16 to nearest even (finite values), as store_bf16 rounds. */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* The whole weight, dequantized: out[n][k] = s[n][g] * q[n][k] + b[n][g] by one fused multiply-add in float32, into
    float32 `out` (bf16 0) or rounded to bfloat16 to nearest even (bf16 1: `out` holds uint16 words), the rows shared
    statically by `threads` OpenMP threads. A prefill piece multiplies it by one GEMM (stages/byte_rows.py rule 3).
-   Returns 0, -1 on arguments it refuses, -2 when built without AVX-512. */
+   Returns 0, -1 on arguments it refuses. */
 int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
                         int64_t group, void *out, int bf16, int threads) {
 #ifdef __AVX512F__
@@ -167,67 +249,109 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
     }
     return 0;
 #else
-    (void)q, (void)bits, (void)s, (void)b, (void)n, (void)kk, (void)group, (void)out, (void)bf16, (void)threads;
-    return -2;
+    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
+        return -1;
+    const int64_t groups = kk / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *qn = q + i * (kk * bits / 8);
+        for (int64_t k = 0; k < kk; k++) {
+            const uint8_t pair = bits == 8 ? 0 : qn[(k - k % 32) / 2 + k % 16];
+            const int v = bits == 8 ? qn[k] : k % 32 < 16 ? pair & 15 : pair >> 4;
+            const float w = fmaf(s[i * groups + k / group], (float)v, b[i * groups + k / group]);
+            if (bf16)
+                ((uint16_t *)out)[i * kk + k] = round_bf16(w);
+            else
+                ((float *)out)[i * kk + k] = w;
+        }
+    }
+    return 0;
 #endif
 }
 
-/* One int4 plane in the layout torch's CPU packer writes (stages/quant_linear.py checks it: `cpu_layout_ok`), added
+/* One int4 plane in the layout torch's CPU packer writes (stages/quant_linear.py checks it: `cpu_block`), added
    into `acc`, the weight transposed: float32 [k, n] (row k holds the n outputs' values at k). `packed` is bytes
-   [rows / 64][k][32]: the low nibble of byte [r][k][i] is row 64r + i, its high nibble row 64r + 32 + i; sz is
-   [k / group][rows][2], each row's scale and zero in float32; rows >= n, a multiple of 64. Per value, as
+   [rows / block][k][block / 2], `block` the packer's row block (64 where its kernel is built for AVX-512, 32 for
+   AVX2): the low nibble of byte [r][k][i] is row block * r + i, its high nibble row block * r + block / 2 + i; sz
+   is [k / group][rows][2], each row's scale and zero in float32; rows >= n, a multiple of block. Per value, as
    stages/quant_linear.py's QuantLinear.dequantize runs it in torch, each operation rounded to float32 on its own (no
    fused multiply-add): base = zero - 8 * scale; w = v * scale + base; acc = w (`first`) or acc + w; with `out16`
    (the last plane of a bfloat16 weight) that sum goes, rounded to bfloat16 to nearest even, to out16 [k, n]
-   instead. Written transposed, each k of a 64-row block is 64 contiguous values; a GEMM reads either layout.
-   Returns 0, -1 on arguments it refuses, -2 when built without AVX-512. */
+   instead. Written transposed, each k of a row block is `block` contiguous values; a GEMM reads either layout.
+   Returns 0, -1 on arguments it refuses. */
 __attribute__((optimize("fp-contract=off"))) int strata_int4pack_dequant_t(const uint8_t *packed, const float *sz,
-                                                                          int64_t rows, int64_t n, int64_t kk,
-                                                                          int64_t group, int first, float *acc,
-                                                                          uint16_t *out16, int threads) {
-#ifdef __AVX512F__
-    if (n < 1 || rows < n || rows % 64 || kk < 1 || group < 1 || kk % group || threads < 1) return -1;
-    const int64_t blocks = rows / 64, groups = kk / group;
+                                                                          int64_t rows, int64_t block, int64_t n,
+                                                                          int64_t kk, int64_t group, int first,
+                                                                          float *acc, uint16_t *out16, int threads) {
+    if (n < 1 || (block != 64 && block != 32) || rows < n || rows % block || kk < 1 || group < 1 || kk % group ||
+        threads < 1)
+        return -1;
+    const int64_t blocks = rows / block, groups = kk / group, half = block / 2;
+#if STRATA_ISA == 512
+    if (block == 64) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t r = 0; r < blocks; r++) {
+            const int64_t n0 = r * 64, width = n - n0 < 64 ? n - n0 : 64;
+            __mmask16 mask[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t left = width - 16 * j;
+                mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                float sc[64] __attribute__((aligned(64))), base[64] __attribute__((aligned(64)));
+                for (int i = 0; i < 64; i++) {
+                    const float *e = sz + ((g * rows) + n0 + i) * 2;
+                    sc[i] = e[0];
+                    base[i] = e[1] - 8.0f * e[0];
+                }
+                for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                    const uint8_t *b = packed + (r * kk + k) * 32;
+                    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                    const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+                    const __m512i fifteen = _mm512_set1_epi32(15);
+                    const __m512i v[4] = {_mm512_and_si512(b0, fifteen), _mm512_and_si512(b1, fifteen),
+                                          _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4)};
+                    float *dst = acc + k * n + n0;
+                    for (int j = 0; j < 4; j++) {
+                        if (!mask[j]) continue;
+                        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), _mm512_load_ps(sc + 16 * j));
+                        const __m512 w = _mm512_add_ps(scaled, _mm512_load_ps(base + 16 * j));
+                        const __m512 out =
+                            first ? w : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], dst + 16 * j), w);
+                        if (out16) /* the last plane: rounded to bfloat16 */
+                            store_bf16(out16 + k * n + n0 + 16 * j, mask[j], out);
+                        else
+                            _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
+                    }
+                }
+            }
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < blocks; r++) {
-        const int64_t n0 = r * 64, width = n - n0 < 64 ? n - n0 : 64;
-        __mmask16 mask[4];
-        for (int j = 0; j < 4; j++) {
-            const int64_t left = width - 16 * j;
-            mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-        }
+        const int64_t n0 = r * block, width = n - n0 < block ? n - n0 : block;
         for (int64_t g = 0; g < groups; g++) {
-            float sc[64] __attribute__((aligned(64))), base[64] __attribute__((aligned(64)));
-            for (int i = 0; i < 64; i++) {
+            float sc[64], base[64];
+            for (int64_t i = 0; i < block; i++) {
                 const float *e = sz + ((g * rows) + n0 + i) * 2;
                 sc[i] = e[0];
                 base[i] = e[1] - 8.0f * e[0];
             }
             for (int64_t k = g * group; k < (g + 1) * group; k++) {
-                const uint8_t *b = packed + (r * kk + k) * 32;
-                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-                const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
-                const __m512i fifteen = _mm512_set1_epi32(15);
-                const __m512i v[4] = {_mm512_and_si512(b0, fifteen), _mm512_and_si512(b1, fifteen),
-                                      _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4)};
-                float *dst = acc + k * n + n0;
-                for (int j = 0; j < 4; j++) {
-                    if (!mask[j]) continue;
-                    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), _mm512_load_ps(sc + 16 * j));
-                    const __m512 w = _mm512_add_ps(scaled, _mm512_load_ps(base + 16 * j));
-                    const __m512 out = first ? w : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], dst + 16 * j), w);
+                const uint8_t *b = packed + (r * kk + k) * half;
+                for (int64_t i = 0; i < width; i++) {
+                    const int v = i < half ? b[i] & 15 : b[i - half] >> 4;
+                    const float w = (float)v * sc[i] + base[i];
+                    const float out = first ? w : acc[k * n + n0 + i] + w;
                     if (out16) /* the last plane: rounded to bfloat16 */
-                        store_bf16(out16 + k * n + n0 + 16 * j, mask[j], out);
+                        out16[k * n + n0 + i] = round_bf16(out);
                     else
-                        _mm512_mask_storeu_ps(dst + 16 * j, mask[j], out);
+                        acc[k * n + n0 + i] = out;
                 }
             }
         }
     }
     return 0;
-#else
-    (void)packed, (void)sz, (void)rows, (void)n, (void)kk, (void)group, (void)first, (void)acc, (void)out16,
-        (void)threads;
-    return -2;
-#endif
 }

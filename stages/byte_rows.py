@@ -32,7 +32,7 @@ Rules:
    `STRATA_CPU_KERNELS=0`) turns it off.
 6. The planes that stay stages/quant_linear.py's (one plane in bfloat16) are dequantized for a prefill piece by the
    library too (`int4pack_transposed`: torch's CPU packing read in place, the weight written transposed, [K, N], so
-   each 64-row block's values at a k are contiguous), in the same float32 operations as QuantLinear.dequantize's
+   each row block's values at a k are contiguous), in the same float32 operations as QuantLinear.dequantize's
    torch code, bit for bit (checked once per process on seeded planes packed by torch; else torch's code runs): a
    [3072, 768] Q4_K weight 2.06 -> 0.36 ms.
 """
@@ -58,7 +58,7 @@ MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
                "strata_byte_dequant": [_P, _I, _P, _P, _L, _L, _L, _P, _I, _I],
-               "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _I, _P, _P, _I]}
+               "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _L, _I, _P, _P, _I]}
 
 
 def build() -> Path:
@@ -171,7 +171,9 @@ class ByteLinear:
 def _dequant_t(fns: dict, packed: torch.Tensor, sz: torch.Tensor, rows: int, n: int, k: int, group: int, first: bool,
                acc: torch.Tensor | None, out16: torch.Tensor | None, threads: int) -> None:
     """One plane into `acc` float32 [K, N] (or, the last, rounded into `out16` bfloat16 [K, N]): the library's call."""
-    if fns["strata_int4pack_dequant_t"](packed.data_ptr(), sz.data_ptr(), rows, n, k, group, int(first),
+    from stages.quant_linear import cpu_block  # quant_linear imports this module
+
+    if fns["strata_int4pack_dequant_t"](packed.data_ptr(), sz.data_ptr(), rows, cpu_block(), n, k, group, int(first),
                                        None if acc is None else acc.data_ptr(),
                                        None if out16 is None else out16.data_ptr(), threads) != 0:
         raise ValueError(f"strata_int4pack_dequant_t refused a [{n}, {k}] weight of {rows} packed rows")
@@ -198,8 +200,10 @@ def int4pack_transposed(packed: list[torch.Tensor], scales_zeros: list[torch.Ten
 def _int4pack_ok() -> bool:
     """Rule 6's check, once per process: seeded planes packed by torch's CPU packer, dequantized here and by
     torch's ops in QuantLinear.dequantize's order, equal bit for bit."""
+    from stages.quant_linear import cpu_block  # quant_linear imports this module
+
     fns = _library()[0]
-    if fns is None:
+    if fns is None or not cpu_block():
         return False
     g = torch.Generator().manual_seed(1)
     try:
@@ -232,8 +236,8 @@ def _int4pack_ok() -> bool:
 
 def _self_check(fns: dict[str, object]) -> None:
     """Rule 5: the kernel's products of 1 to MAX_ROWS rows against F.linear in float64 over the same weight."""
-    if fns["strata_byte_rows_isa"]() != 512:
-        raise KernelRefused("this CPU has no AVX-512")
+    if fns["strata_byte_rows_isa"]() == 0:
+        raise KernelRefused("this CPU has neither AVX-512 nor AVX2 with FMA")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (64, 64, 32, 4),

@@ -7,9 +7,10 @@ Rules:
    to others.
 2. The library is written under a fresh name (created exclusively, 0600) and renamed into place, and loaded only
    when it is a regular file owned by this user that no one else can write.
-3. Its name is `<stem>-<hash>.so`, the hash over the source, the headers of csrc/ it includes (`#include "..."`,
-   found in csrc/ wherever the source lies), the compiler's version, the flags and the CPU, so a changed source,
-   header or machine builds anew; the builds of the same stem with other hashes are removed.
+3. Its name is `<stem>-<hash>.so`, the hash over the source, the files of csrc/ it includes (`#include "..."`,
+   found in csrc/ wherever the source lies) and those they include in turn, the compiler's version, the flags and
+   the CPU, so a changed source, header or machine builds anew; the builds of the same stem with other hashes are
+   removed.
 4. Anything that stops a build (no compiler, a failed compile, a refused directory or file) is `KernelRefused`
    with the reason; the caller falls back to its torch reference. `STRATA_CPU_KERNELS=0` turns every library
    off (`disabled()`).
@@ -96,13 +97,23 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(source: Path, stem: str) -> Path:
-    """The compiled library of `source` (rules 1-3): the cached one, else compiled now."""
+def _included(text: bytes, seen: dict[str, bytes] | None = None) -> dict[str, bytes]:
+    """The sources of csrc/ that `text` includes (`#include "..."`), and those they include, in order: {name: text}."""
+    seen = {} if seen is None else seen
+    for name in re.findall(rb'^#include "([^"/]+)"', text, re.M):
+        if name.decode() not in seen:
+            seen[name.decode()] = body = (CSRC / name.decode()).read_bytes()
+            _included(body, seen)
+    return seen
+
+
+def build(source: Path, stem: str, flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library of `source` (rules 1-3): the cached one, else compiled now; `flags` after FLAGS (the
+    tests build a library without AVX-512 with them: `-mno-avx512f`)."""
     cc = os.environ.get("CC", "gcc")
     text = source.read_bytes()
-    headers = [(CSRC / name.decode()).read_bytes() for name in re.findall(rb'^#include "([^"/]+)"', text, re.M)]
-    key = hashlib.sha256(b"\0".join([text, *headers, _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([text, *_included(text).values(), _compiler_id(cc).encode(),
+                                     " ".join(FLAGS + flags).encode(), _cpu_id().encode()])).hexdigest()[:16]
     directory = _private_dir(cache_dir())
     lib = directory / f"{stem}-{key}.so"
     if _trusted_file(lib):
@@ -110,7 +121,7 @@ def build(source: Path, stem: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)  # O_EXCL, 0600
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, f"-I{CSRC}", str(source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, *flags, f"-I{CSRC}", str(source), "-o", tmp], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise KernelRefused(f"{cc} failed on {source.name}: {done.stderr.strip()[-400:]}")

@@ -227,7 +227,7 @@ def _self_check(fns: dict[str, object]) -> None:
     float64 torch."""
     fns["strata_decode_layer_scratch"].restype = _L
     g = torch.Generator().manual_seed(0)
-    hidden, heads, kv_heads, hd, inter, cells, eps = 64, 4, 2, 16, 96, 8, 1e-6
+    hidden, heads, kv_heads, hd, inter, cells, eps = 64, 4, 2, 16, 128, 8, 1e-6
     qkv_n = (heads + 2 * kv_heads) * hd
 
     def rand(*shape: int, s: float = 0.3) -> torch.Tensor:

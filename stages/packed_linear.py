@@ -33,7 +33,7 @@ Rules:
    Intel Xeon (AVX-512, AMX) 2 rows (1 row padded to 4: 21.5 ms against 17.9 padded to 2, median of 6 rounds).
    Both keep a lone row's values those of a step of several. `STRATA_PACKED_MIN_ROWS=N` sets it instead (0
    turns padding off).
-7. Where stages/packed_rows.py can read a weight's packed memory (float32 on AVX-512, bfloat16 on AVX512_BF16,
+7. Where stages/packed_rows.py can read a weight's packed memory (float32 on AVX-512 or AVX2, bfloat16 on AVX512_BF16,
    oneDNN's panel layout checked against the plain weight at packing), a product of at most its MAX_ROWS rows is
    computed there instead, at the pace the weight streams from memory; rules 5-6 then serve only the weights it
    cannot read.

@@ -8,11 +8,13 @@ read rate of those 415 MB (docs/BENCHMARKS.md, "Few rows straight from the packe
 itself is read by a kernel that streams each panel once for all the rows of the step: no second copy of a weight.
 
 Rules:
-1. Only for float32 weights packed by stages/packed_linear.py, on a CPU with AVX-512, where oneDNN's packed memory
-   has the layout the kernel reads: panels of 64 output columns, k-major, N rounded up to 64 and K to 16. That
-   layout is checked once per process on seeded weights (with the kernel's products against F.linear for 1 to
-   MAX_ROWS rows), and again for every weight at packing, its size and its whole memory against the plain
-   weight (`panels`), so a weight oneDNN laid out otherwise keeps oneDNN for all of its products.
+1. Only for float32 weights packed by stages/packed_linear.py, on a CPU with AVX-512 or with AVX2 and FMA
+   (csrc/cpu_isa.h: the same sums either way), where oneDNN's packed memory has the layout the kernel reads:
+   panels of 64 output columns, k-major, N rounded up to 64 and K to 16. That layout is checked once per process on
+   seeded weights (with the kernel's products against F.linear for 1 to MAX_ROWS rows), and again for every weight
+   at packing, its size and its whole memory against the plain weight (`panels`), so a weight oneDNN laid out
+   otherwise keeps oneDNN for all of its products (with AVX2 and 2 threads oneDNN packs N of 129-192 as panels of
+   16 columns, so a weight that narrow stays with it).
 2. A product of at most MAX_ROWS rows (a decode step) is computed here; one of more rows (a prefill piece) by
    oneDNN, which multiplies many rows faster from the same memory.
 3. Each output is one sum in k order, so a row's values do not depend on the other rows of a step of up to
@@ -203,8 +205,8 @@ def _self_check(fns: dict[str, object]) -> None:
     """Rule 1: oneDNN's layout here, and the kernel's products against F.linear, on seeded weights."""
     from stages.packed_linear import _ops_present
 
-    if fns["strata_packed_rows_isa"]() != 512:
-        raise KernelRefused("this CPU has no AVX-512 (oneDNN's other layouts are not read here)")
+    if fns["strata_packed_rows_isa"]() == 0:
+        raise KernelRefused("this CPU has neither AVX-512 nor AVX2 with FMA")
     if not _ops_present():
         raise KernelRefused("torch has no oneDNN linear ops")
     _check(fns, torch.float32)
@@ -221,7 +223,7 @@ def _check(fns: dict[str, object], dtype: torch.dtype) -> None:
     name = _KERNEL[dtype]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
-        for n, k in ((64, 64), (80, 96), (130, 201)):
+        for n, k in ((64, 64), (80, 96), (200, 201)):
             w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
             p = _layout(packed, w)

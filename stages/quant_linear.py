@@ -16,8 +16,9 @@ gate_up) and permuted (llama's q/k rows) before packing. `pack(planes, dtype, de
   scales_and_zeros `[K/32, N, 2]` in the compute dtype. A step of at most KERNEL_MAX_ROWS rows in bfloat16 runs
   `_weight_int4pack_mm_for_cpu` per plane (its cost grows with the rows, like a GEMV; its float32 path is a
   scalar reference, so float32 never takes it); any other step dequantizes the weight into the compute dtype
-  from the same packed bytes and runs one F.linear (a GEMM): no second copy is kept. The layout is checked once
-  against the packer (`cpu_layout_ok`); if a torch build packs differently, weights are dequantized at load.
+  from the same packed bytes and runs one F.linear (a GEMM): no second copy is kept. The layout (row blocks of 64
+  or, where torch's kernel is built for AVX2, 32) is checked once against the packer (`cpu_block`); if a torch
+  build packs otherwise, weights are dequantized at load.
   On a CPU where stages/byte_rows.py's kernel runs, two planes (and one plane in float32) are not packed here: `pack`
   makes them a ByteLinear (bytes or nibble pairs, float32 scale and offset per group; its rules).
 - CUDA: `_convert_weight_to_int4pack` (tinygemm's layout) and `_weight_int4pack_mm` for every step (bfloat16).
@@ -49,7 +50,7 @@ GROUP = 32
 KERNEL_MAX_ROWS = 24  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant; with
 # stages/byte_rows.py's dequantize the GEMM path wins from 24-32 rows, docs/BENCHMARKS.md "Byte rows")
 PLANE_FORMATS = tuple(PLANE_COUNTS)
-_ROW_BLOCK = 64  # the CPU packer's row block
+_ROW_BLOCK = 64  # rows are padded to this: a whole number of the CPU packer's row blocks (`cpu_block`)
 
 
 @dataclass
@@ -172,24 +173,31 @@ def planes_from_gguf(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Pla
 # --- packed weights ---
 
 @lru_cache(maxsize=1)
-def cpu_layout_ok() -> bool:
-    """The CPU packer stores rows [64b, 64b + 32) in the low nibbles and [64b + 32, 64b + 64) in the high ones,
-    as `[N / 64, K, 32]` bytes; `_cpu_values` reads that. Checked once against the packer itself."""
+def cpu_block() -> int:
+    """The CPU packer's row block: `[N / block, K, block / 2]` bytes, rows [block * b, block * b + block / 2) in the
+    low nibbles and the rest of the block in the high ones; 64 where torch's int4 kernel is built for AVX-512, 32
+    for AVX2. `_cpu_values` reads that. Checked once against the packer itself; 0 when it packs otherwise."""
     try:
         q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        return bool(torch.equal(_cpu_values(packed, 128, 64), q.float()))
     except (RuntimeError, AttributeError):
-        return False
+        return 0
+    return next((block for block in (64, 32) if torch.equal(_cpu_values(packed, 128, 64, block), q.float())), 0)
 
 
-def _cpu_values(packed: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """The 4-bit values of a CPU-packed plane as float32 `[rows, K]`: each nibble half of a 64-row block converted
+def cpu_layout_ok() -> bool:
+    """Whether `_cpu_values` reads the CPU packer's layout here (`cpu_block`)."""
+    return cpu_block() != 0
+
+
+def _cpu_values(packed: torch.Tensor, rows: int, k: int, block: int | None = None) -> torch.Tensor:
+    """The 4-bit values of a CPU-packed plane as float32 `[rows, K]`: each nibble half of a row block converted
     as it is copied into place (no unpacked uint8 copy)."""
-    p = packed.view(rows // _ROW_BLOCK, k, 32)
-    v = torch.empty(rows // _ROW_BLOCK, 2, 32, k, dtype=torch.float32)
-    v[:, 0].copy_((p & 15).transpose(1, 2))  # rows 64b .. 64b + 31
-    v[:, 1].copy_((p >> 4).transpose(1, 2))  # rows 64b + 32 .. 64b + 63
+    block = block or cpu_block()
+    p = packed.view(rows // block, k, block // 2)
+    v = torch.empty(rows // block, 2, block // 2, k, dtype=torch.float32)
+    v[:, 0].copy_((p & 15).transpose(1, 2))  # rows block * b .. block * b + block / 2 - 1
+    v[:, 1].copy_((p >> 4).transpose(1, 2))  # the block's second half
     return v.view(rows, k)
 
 

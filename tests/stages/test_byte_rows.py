@@ -169,20 +169,26 @@ def test_the_kernel_refuses_what_it_cannot_compute() -> None:
             byte_rows._multiply(fns, x, q.q, 8, q.scale, q.offset, group, None)
 
 
-@pytest.mark.parametrize("edit", [
-    ("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),  # the offsets forgotten
-    ("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
-    ("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
-    ("_mm512_set1_epi32(0x7FFF), odd", "_mm512_set1_epi32(0x8000), odd"),  # bfloat16 rounded off by one: up from
-    # just under halfway on an odd word
-    ("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
-])
+ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available() else 0  # csrc/cpu_isa.h
+
+
+@pytest.mark.parametrize("edit", [  # (the AVX-512 source's edit, the AVX2 one's)
+    (("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),) * 2,  # the offsets forgotten
+    (("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
+     ("_mm256_set1_ps(sn[g])", "_mm256_set1_ps(sn[0])")),
+    (("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
+     ("_mm256_srli_epi32(lo, 4)", "_mm256_srli_epi32(lo, 3)")),
+    (("_mm512_set1_epi32(0x7FFF), odd", "_mm512_set1_epi32(0x8000), odd"),  # bfloat16 rounded off by one: up from
+     ("u + 0x7FFFu + ((u >> 16) & 1u)", "u + 0x8000u + ((u >> 16) & 1u)")),  # just under halfway on an odd word
+    (("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
+     ("strata_reduce16(lo[m], hi[m]) + off[m]", "strata_reduce16(lo[0], hi[0]) + off[m]")),
+], ids=["offsets", "scales", "nibbles", "bfloat16", "rows"])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
     """Rule 5: the first-use check against float64 F.linear and torch's dequantized weight; a source wrong in one
     place fails it, and the planes keep stages/quant_linear.py's packing."""
-    use_wrong_source(byte_rows, edit, tmp_path, fresh_library)
-    if "no AVX-512" in (byte_rows.unavailable_reason() or ""):
-        pytest.skip("no AVX-512 here: the kernel is refused before it is checked")
+    if not ISA:
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    use_wrong_source(byte_rows, edit[ISA == 256], tmp_path, fresh_library)
     assert not byte_rows.available()
     assert "disagrees with" in byte_rows.unavailable_reason()
     planes, _ = weights("Q8_0")

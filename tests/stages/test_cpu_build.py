@@ -25,3 +25,31 @@ def test_a_changed_header_builds_a_new_library_and_removes_the_old(tmp_path, mon
     source.write_text('#include "part.h"\nint answer(void) { return part() + 1; }\n')
     third = cpu_build.build(source, "lib")
     assert third != second and [p.name for p in (tmp_path / "kernels").iterdir()] == [third.name]
+
+
+def test_a_header_included_by_a_header_is_part_of_the_hash(tmp_path, monkeypatch):
+    """Rule 3: a source that includes another source (csrc/cpu_decode_layer.c includes cpu_byte_rows.c, which
+    includes cpu_isa.h) is built anew when the innermost file changes."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "inner.h").write_text("static inline int inner(void) { return 1; }\n")
+    (csrc / "outer.c").write_text('#include "inner.h"\nstatic int outer(void) { return inner() * 10; }\n')
+    source = tmp_path / "lib.c"
+    source.write_text('#include "outer.c"\nint answer(void) { return outer(); }\n')
+    monkeypatch.setattr(cpu_build, "CSRC", csrc)
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    first = cpu_build.build(source, "lib")
+    assert ctypes.CDLL(str(first)).answer() == 10
+    (csrc / "inner.h").write_text("static inline int inner(void) { return 2; }\n")
+    second = cpu_build.build(source, "lib")
+    assert second != first and ctypes.CDLL(str(second)).answer() == 20
+    assert list(cpu_build._included(source.read_bytes())) == ["outer.c", "inner.h"]
+
+
+def test_flags_are_part_of_the_hash(tmp_path, monkeypatch):
+    """Rule 3: the same source built with other flags is another library (the tests' builds without AVX-512)."""
+    source = tmp_path / "lib.c"
+    source.write_text("int answer(void) {\n#ifdef EXTRA\n    return 2;\n#else\n    return 1;\n#endif\n}\n")
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    plain, extra = cpu_build.build(source, "lib"), cpu_build.build(source, "lib", ("-DEXTRA",))
+    assert plain != extra and ctypes.CDLL(str(extra)).answer() == 2
