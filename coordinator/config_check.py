@@ -59,8 +59,8 @@ from typing import Any
 import yaml
 
 from pool.computable import (FLOAT_ST_DTYPES, FP8_ST_DTYPE, INT4_KERNEL_GROUPS, INT4_PARTS,  # noqa: F401
-                             SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, fp8_blocks, int4_scheme, keeps_int4,
-                             rotary_problem, uncomputable)
+                             SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, auto_dtype, fp8_blocks, int4_scheme,
+                             keeps_int4, rotary_problem, uncomputable)
 from pool.gguf_meta import int4_bytes
 from pool.layer_kinds import FLOAT32_HELD, FULL, layer_types, state_entry_bytes
 from pool.config import Config, ConfigError, load_config
@@ -215,7 +215,7 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
     except GGUFError as err:
         raise ConfigError(f"model: {err}", key="model") from None
     refuse_uncomputable(str(m.path), m.config)
-    dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else m.dtype
+    dtype = _compute_dtype(cfg, m.dtype)
     keep = _keeps_int4(cfg, dtype)
     size = DTYPE_BYTES[dtype]
     cpu = _all_cpu(cfg)
@@ -251,6 +251,14 @@ def _keeps_int4(cfg: Config, dtype: str) -> bool:
     return all(keeps_int4(dtype, s.device.split(":")[0]) for s in cfg.stages)
 
 
+def _compute_dtype(cfg: Config, stored: str) -> str:
+    """`engine.dtype`, its `auto` resolved from the stored dtype as the stages resolve it (pool/computable.auto_dtype:
+    float32 for CPU stages on a CPU without native 16-bit products)."""
+    if cfg.engine.dtype != "auto":
+        return cfg.engine.dtype
+    return auto_dtype(stored, [s.device.split(":")[0] for s in cfg.stages])
+
+
 def _all_cpu(cfg: Config) -> bool:
     """Every stage a CPU stage: two int4 planes are then counted as bytes (pool/gguf_meta.int4_bytes)."""
     return all(s.device == "cpu" for s in cfg.stages)
@@ -277,8 +285,7 @@ def _int4_as_loaded(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf
     the compute dtype; the packed parts themselves are not kept."""
     scheme = int4_scheme(conf)
     assert scheme is not None
-    dtype = cfg.engine.dtype if cfg.engine.dtype in DTYPE_BYTES else str(conf.get("dtype") or conf.get("torch_dtype")
-                                                                         or "float16")
+    dtype = _compute_dtype(cfg, str(conf.get("dtype") or conf.get("torch_dtype") or "float16"))
     size = DTYPE_BYTES.get(dtype, 2)
     keep = (scheme["group"] in INT4_KERNEL_GROUPS and not conf["quantization_config"].get("desc_act")
             and _keeps_int4(cfg, dtype))
@@ -350,11 +357,11 @@ def _owners(name: str, n_stages: int, ranges: list[tuple[int, int]], tied: bool)
     return []
 
 
-def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf: dict, notes: list[str]) -> list[int]:
-    """Bytes per stage as the stages hold them; `tensors` are (name, stored bytes, elements, is floating point);
-    FLOAT32_HELD tensors are held in float32."""
+def _stage_weights(cfg: Config, tensors: list[tuple[str, int, int, bool]], conf: dict, notes: list[str],
+                   want: int | None) -> list[int]:
+    """Bytes per stage as the stages hold them; `tensors` are (name, stored bytes, elements, is floating point), the
+    floating-point ones held at `want` bytes each (None: as stored); FLOAT32_HELD tensors are held in float32."""
     tied = bool(conf.get("tie_word_embeddings"))
-    want = DTYPE_BYTES.get(cfg.engine.dtype)  # None for auto: as stored
     ranges = [s.layers for s in cfg.stages]
     tied = tied and all(name != "lm_head.weight" for name, *_ in tensors)
     totals, stray = [0] * len(ranges), []
@@ -468,17 +475,18 @@ def check(cfg: Config) -> Report:
             tensors = [(n, math.prod(s) * stored, math.prod(s), True) for n, s in dense_tensor_shapes(conf)]
         else:
             info = ModelInfo(**{**info.__dict__, "weights_from": "unknown"})
-    weights = _stage_weights(cfg, tensors, conf, notes) if tensors else None
+    compute = _compute_dtype(cfg, info.dtype)
+    want = DTYPE_BYTES[compute] if cfg.engine.dtype != "auto" or compute != info.dtype else None  # None: as stored
+    weights = _stage_weights(cfg, tensors, conf, notes, want) if tensors else None
 
     e = cfg.engine
-    kv_dtype = "int8" if e.kv_dtype == "int8" else (e.dtype if e.dtype != "auto" else info.dtype)
+    kv_dtype = "int8" if e.kv_dtype == "int8" else compute
     if kv_dtype not in DTYPE_BYTES:
         raise ConfigError(f"engine.kv_dtype: the model dtype {kv_dtype} is not a KV dtype; set engine.dtype", key="engine.kv_dtype")
     per_cell = 2 * info.kv_heads * info.head_dim * DTYPE_BYTES[kv_dtype]
     if kv_dtype == "int8":
         per_cell += 2 * info.kv_heads * 4
     baseline_cells = (e.parallel + 1) * e.max_context
-    compute = e.dtype if e.dtype != "auto" else info.dtype
     stages = [_stage_figures(cfg, i, info, per_cell, kv_dtype, weights[i] if weights else None, baseline_cells,
                              state_entry_bytes(conf, *cfg.stages[i].layers, DTYPE_BYTES.get(compute, 2)))
               for i in range(len(cfg.stages))]

@@ -22,8 +22,9 @@
 
    With AVX2 (csrc/cpu_isa.h) the 16-lane accumulator is two vectors of 8 (lanes 0-7 and 8-15) summed in the same
    tree, and the rows of x are taken AVX2_BYTE_ROWS at a time over the same output (its bytes read again from
-   cache): the same operations per output in the same order, so both builds agree bit for bit. The whole-weight
-   dequantizations below are plain C there (the same single rounding per operation).
+   cache): the same operations per output in the same order, so both builds agree bit for bit. The whole weight is
+   dequantized with AVX2 too; torch's int4 planes (the last function) in plain C, the same single rounding per
+   operation.
 
    Built for the CPU it runs on (-march=native); without AVX-512 or AVX2 it only says so. Returns 0, -1 on
    arguments it refuses, -2 when built without the instructions, -3 when out of memory. */
@@ -243,6 +244,38 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
                 } else {
                     _mm512_storeu_ps((float *)out + i * kk + k, v0);
                     _mm512_storeu_ps((float *)out + i * kk + k + 16, v1);
+                }
+            }
+        }
+    }
+    return 0;
+#elif STRATA_ISA == 256
+    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
+        return -1;
+    const int64_t groups = kk / group;
+    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *qn = q + i * (kk * bits / 8);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 sv = _mm256_set1_ps(s[i * groups + g]), bv = _mm256_set1_ps(b[i * groups + g]);
+            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                __m256 v[4];
+                values32x8(qn, k, bits, v);
+                for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(sv, v[j], bv);
+                if (bf16) {
+                    __m256i r[4];
+                    for (int j = 0; j < 4; j++) { /* round to nearest even, as store_bf16 */
+                        const __m256i u = _mm256_castps_si256(v[j]);
+                        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+                        r[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
+                    }
+                    uint16_t *dst = (uint16_t *)out + i * kk + k;
+                    for (int j = 0; j < 4; j += 2) /* pack works per 128-bit lane: put the quarters back in order */
+                        _mm256_storeu_si256((__m256i *)(dst + 8 * j),
+                                            _mm256_permute4x64_epi64(_mm256_packus_epi32(r[j], r[j + 1]), 0xD8));
+                } else {
+                    for (int j = 0; j < 4; j++) _mm256_storeu_ps((float *)out + i * kk + k + 8 * j, v[j]);
                 }
             }
         }

@@ -36,6 +36,36 @@ def keeps_int4(dtype: str, device_kind: str) -> bool:
     return dtype == "bfloat16" or (device_kind == "cpu" and dtype in ("float32", "float16"))
 
 
+# oneDNN multiplies bfloat16 / float16 natively (as torch.ops.mkldnn._is_mkldnn_bf16_supported / _fp16_ asks) with
+# any one of these sets of /proc/cpuinfo flags; without them torch converts every product through float32.
+NATIVE_16BIT_FLAGS = {"bfloat16": ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"}, {"amx_bf16"}),
+                      "float16": ({"avx512_fp16"}, {"avx_ne_convert"}, {"amx_fp16"})}
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(stored: str, device_kinds: list[str], flags: frozenset[str] | None = None) -> str:
+    """`engine.dtype: auto`: the checkpoint's dtype (`stored`; a quantized GGUF's is bfloat16), except float32 for a
+    box whose stages are all on the CPU when that CPU has no native products in the 16-bit dtype
+    (NATIVE_16BIT_FLAGS): there torch converts each product through float32, a [3072, 768] weight by 128 rows 6.6x
+    slower than in float32 and 17x more again for a transposed one (docs/BENCHMARKS.md, "AVX2 CPUs"), so a prompt
+    of a quantized model took over 40 s. The stage (stages/runner.py) and `strata config check` resolve it alike."""
+    if stored not in NATIVE_16BIT_FLAGS or not device_kinds or any(d != "cpu" for d in device_kinds):
+        return stored
+    flags = cpu_flags() if flags is None else flags
+    return stored if any(need <= flags for need in NATIVE_16BIT_FLAGS[stored]) else "float32"
+
+
 def int4_scheme(config: dict) -> dict | None:
     """{"method": gptq | awq, "bits", "group", "format"} of a GPTQ / AWQ checkpoint the stages compute, else None."""
     quant = config.get("quantization_config")

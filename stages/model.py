@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pool.computable import auto_dtype
 from stages import cpu_ops, decode_layer
 from stages.attention import paged_attention, write_kv
 from stages.batch import StepBatch
@@ -181,10 +182,14 @@ def qk_norm(qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, heads:
     return out.to(qk.dtype)
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, ckpt: Checkpoint) -> torch.dtype:
-    """None or "auto" -> the checkpoint's dtype; a name in float32/bfloat16/float16 -> that dtype."""
+def resolve_dtype(dtype: torch.dtype | str | None, ckpt: Checkpoint, device_kinds: list[str] | None = None
+                  ) -> torch.dtype:
+    """None or "auto" -> the checkpoint's dtype, or with the box's stage devices (`device_kinds`, "cpu" / "cuda")
+    pool/computable.auto_dtype's choice; a name in float32/bfloat16/float16 -> that dtype."""
     if dtype is None or dtype == "auto":
-        return ckpt.dtype
+        if device_kinds is None:
+            return ckpt.dtype
+        return _DTYPES[auto_dtype(str(ckpt.dtype).removeprefix("torch."), device_kinds)]
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; supported: auto, {', '.join(_DTYPES)}")

@@ -117,7 +117,7 @@ class StageRunner:
                 f"stages.{index}.layers=[{self.first}, {self.last}) but the model has {n_layers} layers",
                 key=f"stages.{index}.layers",
             )
-        self.dtype = resolve_dtype(e.dtype, self.ckpt)
+        self.dtype = resolve_dtype(e.dtype, self.ckpt, [s.device.split(":")[0] for s in cfg.stages])
         self.model = StageModel(self.ckpt, self.first, self.last, self.device, self.dtype)
         self.model_fp = self.ckpt.fingerprint()[:16]
         self.config_fp = cfg.fingerprint()

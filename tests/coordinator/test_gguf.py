@@ -7,6 +7,7 @@ import pytest
 from coordinator.config_check import check, format_report
 from coordinator.gguf_tokenizer import GGUFTokenizerError, read_vocab
 from coordinator.tokenizer import Tokenizer
+from pool import computable
 from pool.config import ConfigError, config_from_dict
 from pool.gguf_meta import GGUFModel
 from tests.stages.gguf_files import write_gguf
@@ -106,7 +107,7 @@ def _box(model, ranges, **engine) -> dict:
     return {"model": str(model), "engine": eng, "stages": stages}
 
 
-def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> None:
+def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path, monkeypatch) -> None:
     hf = tiny_model_factory("llama", layers=4)
     f32 = write_gguf(hf, tmp_path / "f32.gguf", "F32")
     q8 = write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
@@ -120,6 +121,10 @@ def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path) -> Non
     # Quantized, kept quantized on CPU stages in any dtype: the figures are the stages' own weight bytes as loaded.
     q32 = check(config_from_dict(_box(q8, [(0, 2), (2, 4)], dtype="float32")))
     assert any("30 tensors as Q8_0" in n and "kept quantized: Q8_0 as bytes" in n for n in q32.notes)
+    # auto: a quantized file's bfloat16, float32 on CPU stages of a CPU without native bfloat16 products
+    monkeypatch.setattr(computable, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert check(config_from_dict(_box(q8, [(0, 2), (2, 4)]))).kv_dtype == "float32"
+    monkeypatch.setattr(computable, "cpu_flags", lambda: frozenset({"avx2", "avx512bw", "avx512vl", "avx512dq"}))
     auto = check(config_from_dict(_box(q8, [(0, 2), (2, 4)])))
     assert auto.kv_dtype == "bfloat16"
     # a CUDA stage keeps them only in bfloat16: float32 on a box with one counts them dequantized
