@@ -222,22 +222,25 @@ static inline uint16_t round_bf16(float f) {
 /* The whole weight, dequantized: out[n][k] = s[n][g] * q[n][k] + b[n][g] by one fused multiply-add in float32, into
    float32 `out` (bf16 0) or rounded to bfloat16 to nearest even (bf16 1: `out` holds uint16 words), the rows shared
    statically by `threads` OpenMP threads. A prefill piece multiplies it by one GEMM (stages/byte_rows.py rule 3).
-   Returns 0, -1 on arguments it refuses. */
+   Returns 0, -1 on arguments it refuses, -2 when built without the instructions. */
+#define HALF_BF16 _mm256_set1_epi32(0x7FFF) /* AVX2: rounding to bfloat16 adds this and the kept word's last bit */
 int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
                         int64_t group, void *out, int bf16, int threads) {
-#ifdef __AVX512F__
     if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
         return -1;
+#if STRATA_ISA
     const int64_t groups = kk / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
         for (int64_t g = 0; g < groups; g++) {
-            const __m512 sv = _mm512_set1_ps(s[i * groups + g]), bv = _mm512_set1_ps(b[i * groups + g]);
+            const float sg = s[i * groups + g], bg = b[i * groups + g];
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+#if STRATA_ISA == 512
                 __m512 v0, v1;
                 values32(qn, k, bits, &v0, &v1);
-                v0 = _mm512_fmadd_ps(sv, v0, bv), v1 = _mm512_fmadd_ps(sv, v1, bv);
+                v0 = _mm512_fmadd_ps(_mm512_set1_ps(sg), v0, _mm512_set1_ps(bg));
+                v1 = _mm512_fmadd_ps(_mm512_set1_ps(sg), v1, _mm512_set1_ps(bg));
                 if (bf16) {
                     store_bf16((uint16_t *)out + i * kk + k, 0xFFFF, v0);
                     store_bf16((uint16_t *)out + i * kk + k + 16, 0xFFFF, v1);
@@ -245,30 +248,16 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
                     _mm512_storeu_ps((float *)out + i * kk + k, v0);
                     _mm512_storeu_ps((float *)out + i * kk + k + 16, v1);
                 }
-            }
-        }
-    }
-    return 0;
-#elif STRATA_ISA == 256
-    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
-        return -1;
-    const int64_t groups = kk / group;
-    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *qn = q + i * (kk * bits / 8);
-        for (int64_t g = 0; g < groups; g++) {
-            const __m256 sv = _mm256_set1_ps(s[i * groups + g]), bv = _mm256_set1_ps(b[i * groups + g]);
-            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+#else
                 __m256 v[4];
                 values32x8(qn, k, bits, v);
-                for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(sv, v[j], bv);
+                for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(_mm256_set1_ps(sg), v[j], _mm256_set1_ps(bg));
                 if (bf16) {
                     __m256i r[4];
                     for (int j = 0; j < 4; j++) { /* round to nearest even, as store_bf16 */
                         const __m256i u = _mm256_castps_si256(v[j]);
-                        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-                        r[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
+                        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+                        r[j] = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(HALF_BF16, odd)), 16);
                     }
                     uint16_t *dst = (uint16_t *)out + i * kk + k;
                     for (int j = 0; j < 4; j += 2) /* pack works per 128-bit lane: put the quarters back in order */
@@ -277,28 +266,14 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
                 } else {
                     for (int j = 0; j < 4; j++) _mm256_storeu_ps((float *)out + i * kk + k + 8 * j, v[j]);
                 }
+#endif
             }
         }
     }
     return 0;
 #else
-    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
-        return -1;
-    const int64_t groups = kk / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *qn = q + i * (kk * bits / 8);
-        for (int64_t k = 0; k < kk; k++) {
-            const uint8_t pair = bits == 8 ? 0 : qn[(k - k % 32) / 2 + k % 16];
-            const int v = bits == 8 ? qn[k] : k % 32 < 16 ? pair & 15 : pair >> 4;
-            const float w = fmaf(s[i * groups + k / group], (float)v, b[i * groups + k / group]);
-            if (bf16)
-                ((uint16_t *)out)[i * kk + k] = round_bf16(w);
-            else
-                ((float *)out)[i * kk + k] = w;
-        }
-    }
-    return 0;
+    (void)q, (void)s, (void)b, (void)out, (void)bf16;
+    return -2;
 #endif
 }
 

@@ -179,7 +179,7 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
     (("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
      ("_mm256_srli_epi32(lo, 4)", "_mm256_srli_epi32(lo, 3)")),
     (("_mm512_set1_epi32(0x7FFF), odd", "_mm512_set1_epi32(0x8000), odd"),  # bfloat16 rounded off by one: up from
-     ("half = _mm256_set1_epi32(0x7FFF)", "half = _mm256_set1_epi32(0x8000)")),  # just under halfway, odd word
+     ("HALF_BF16 _mm256_set1_epi32(0x7FFF)", "HALF_BF16 _mm256_set1_epi32(0x8000)")),  # just under halfway, odd word
     (("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
      ("strata_reduce16(lo[m], hi[m]) + off[m]", "strata_reduce16(lo[0], hi[0]) + off[m]")),
 ], ids=["offsets", "scales", "nibbles", "bfloat16", "rows"])
