@@ -47,6 +47,7 @@ def test_a_stage_and_config_check_resolve_auto_alike(tiny_model_factory, tmp_pat
                                                             "prefill_chunk": 16, "kv_pool_tokens": 96, "threads": 1},
                             "stages": [{"device": "cpu", "layers": [0, 2], "endpoint": "ipc:///tmp/strata-auto-0"}]})
     report = check(cfg)
+    assert any("engine.dtype=auto computes in float32" in n for n in report.notes) == (want == torch.float32)
     runner = StageRunner(cfg, 0, pool_path=tmp_path / "pool0")
     try:
         assert runner.dtype == want and runner.kv_dtype == report.kv_dtype == str(want).removeprefix("torch.")
