@@ -16,7 +16,9 @@ Rules:
    otherwise keeps oneDNN for all of its products (with AVX2 and 2 threads oneDNN packs N of 129-192 as panels of
    16 columns, so a weight that narrow stays with it).
 2. A product of at most MAX_ROWS rows (a decode step) is computed here; one of more rows (a prefill piece) by
-   oneDNN, which multiplies many rows faster from the same memory.
+   oneDNN, which multiplies many rows faster from the same memory. MAX_ROWS is 8 on a CPU with AVX-512 and 16 on
+   one with AVX2 only, where the kernel's 3-row passes beat oneDNN up to 16 rows (the 104M qwen3's 48 products,
+   streamed, AMD EPYC Zen 3: 16 rows 35.9 against 47.8 ms, 24 rows even).
 3. Each output is one sum in k order, so a row's values do not depend on the other rows of a step of up to
    MAX_ROWS rows (no padding to a row count, packed_linear's rule 5, is needed); a step of more rows gets
    oneDNN's rounding, which differs from it by float32 rounding.
@@ -45,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pool.computable import cpu_flags
 from stages import cpu_build
 from stages.cpu_build import KernelRefused
 
@@ -55,6 +58,7 @@ PANEL = 64  # output columns per panel (PANEL in the source)
 K_ALIGN = 16  # K rounded up to this in a panel
 LIMIT_ROWS = 64  # MAX_ROWS in the source: the most rows one call takes
 DEFAULT_ROWS = 8  # rule 2 (1-8 rows: 1.1-2x oneDNN's pace on the machine above; 12 and more: not faster)
+AVX2_DEFAULT_ROWS = 16  # rule 2 without AVX-512 (1-16 rows faster than oneDNN, 24 even; docs/BENCHMARKS.md)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"strata_packed_rows": [_P, _L, _L, _P, _L, _L, _P, _P, _I], "strata_packed_rows_isa": [],
@@ -66,7 +70,7 @@ _KERNEL = {torch.float32: "strata_packed_rows", torch.bfloat16: "strata_packed_r
 def _max_rows() -> int:
     raw = os.environ.get("STRATA_PACKED_ROWS")
     if raw is None:
-        return DEFAULT_ROWS
+        return DEFAULT_ROWS if "avx512f" in cpu_flags() else AVX2_DEFAULT_ROWS  # the width the kernel is built for
     if not raw.strip().isdigit() or int(raw) > LIMIT_ROWS:
         raise ValueError(f"STRATA_PACKED_ROWS must be a whole number of rows from 0 (off) to {LIMIT_ROWS}, "
                          f"got {raw!r}")

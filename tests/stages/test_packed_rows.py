@@ -16,6 +16,8 @@ from stages.packed_linear import PackedLinear
 from stages.quant_linear import embed, linear
 from stages.tiny import make_tiny_model
 
+AVX2 = frozenset({"avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 needs_kernel = pytest.mark.skipif(not packed_rows.available(),
                                   reason=f"no packed-rows kernel here: {packed_rows.unavailable_reason()}")
 
@@ -203,7 +205,9 @@ def test_the_row_count_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("STRATA_PACKED_ROWS", "12")
     assert packed_rows._max_rows() == 12
     monkeypatch.delenv("STRATA_PACKED_ROWS")
-    assert packed_rows._max_rows() == packed_rows.DEFAULT_ROWS
+    for flags, rows in ((AVX512, packed_rows.DEFAULT_ROWS), (AVX2, packed_rows.AVX2_DEFAULT_ROWS)):  # rule 2
+        monkeypatch.setattr(packed_rows, "cpu_flags", lambda: flags)
+        assert packed_rows._max_rows() == rows
     for bad in ("eight", "65", "-1"):
         monkeypatch.setenv("STRATA_PACKED_ROWS", bad)
         with pytest.raises(ValueError, match="STRATA_PACKED_ROWS must be a whole number"):
