@@ -476,8 +476,9 @@ def check(cfg: Config) -> Report:
         else:
             info = ModelInfo(**{**info.__dict__, "weights_from": "unknown"})
     compute = _compute_dtype(cfg, info.dtype)
-    want = DTYPE_BYTES[compute] if cfg.engine.dtype != "auto" or compute != info.dtype else None  # None: as stored
-    if cfg.engine.dtype == "auto" and compute != info.dtype:
+    as_stored = cfg.engine.dtype == "auto" and compute == info.dtype
+    want = None if as_stored else DTYPE_BYTES[compute]
+    if cfg.engine.dtype == "auto" and not as_stored:
         notes.append(f"engine.dtype=auto computes in {compute}, not the model's {info.dtype}: this CPU has no native "
                      f"{info.dtype} products (torch would convert each one through float32); set engine.dtype to "
                      f"{info.dtype} to keep the weights and K/V at its size")

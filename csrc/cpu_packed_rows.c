@@ -84,14 +84,13 @@ static void pass(const float *x, int64_t ldx, int rows, const float *wp, int64_t
 }
 #elif STRATA_ISA == 256
 /* One row over the whole panel (columns 0..63, 8 vectors), k in [k0, k1), as PASS carries its sums. */
-static void pass_row(const float *x, const float *wp, int64_t k0, int64_t k1, float *part, int nta) {
+static void pass_row(const float *x, const float *wp, int64_t k0, int64_t k1, float *part) {
     __m256 acc[8];
     for (int b = 0; b < 8; b++) acc[b] = k0 ? _mm256_load_ps(part + 8 * b) : _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; k++) {
         const float *w = wp + k * PANEL;
-        if (nta)
-            for (int line = 0; line < PANEL; line += 16)
-                _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + line), _MM_HINT_NTA);
+        for (int line = 0; line < PANEL; line += 16) /* one pass over the panel: streamed, as PASS streams it */
+            _mm_prefetch((const char *)(w + PREFETCH_K * PANEL + line), _MM_HINT_NTA);
         const __m256 a = _mm256_broadcast_ss(x + k);
         _Pragma("GCC unroll 8") for (int b = 0; b < 8; b++)
             acc[b] = _mm256_fmadd_ps(a, _mm256_load_ps(w + 8 * b), acc[b]);
@@ -155,7 +154,7 @@ int strata_packed_rows(const float *x, int64_t rows, int64_t k, const float *wp,
                      part + m * PANEL, block == k);
 #else
             if (rows == 1)
-                pass_row(x, w, k0, k1, part, 1);
+                pass_row(x, w, k0, k1, part);
             else {
                 /* the memory after this block (the next block, or the next panel's first), spread over its passes */
                 const char *next = (const char *)(k1 < k ? w + k1 * PANEL : w + kp * PANEL);

@@ -14,6 +14,8 @@ PARTIAL_ROTARY_ARCHS (which rotate the first `head_dim * factor` dims of each he
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pool.layer_kinds import linear_problem
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -42,8 +44,9 @@ NATIVE_16BIT_FLAGS = {"bfloat16": ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_n
                       "float16": ({"avx512_fp16"}, {"avx_ne_convert"}, {"amx_fp16"})}
 
 
+@lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    """This CPU's flags from /proc/cpuinfo (empty where there is none), read once."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -54,6 +57,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def native_16bit(dtype: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or `flags`) multiplies the 16-bit `dtype` natively (NATIVE_16BIT_FLAGS)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(need <= flags for need in NATIVE_16BIT_FLAGS.get(dtype, ()))
+
+
 def auto_dtype(stored: str, device_kinds: list[str], flags: frozenset[str] | None = None) -> str:
     """`engine.dtype: auto`: the checkpoint's dtype (`stored`; a quantized GGUF's is bfloat16), except float32 for a
     box whose stages are all on the CPU when that CPU has no native products in the 16-bit dtype
@@ -62,8 +71,7 @@ def auto_dtype(stored: str, device_kinds: list[str], flags: frozenset[str] | Non
     of a quantized model took over 40 s. The stage (stages/runner.py) and `strata config check` resolve it alike."""
     if stored not in NATIVE_16BIT_FLAGS or not device_kinds or any(d != "cpu" for d in device_kinds):
         return stored
-    flags = cpu_flags() if flags is None else flags
-    return stored if any(need <= flags for need in NATIVE_16BIT_FLAGS[stored]) else "float32"
+    return stored if native_16bit(stored, flags) else "float32"
 
 
 def int4_scheme(config: dict) -> dict | None:

@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from pool.computable import cpu_flags
+
 log = logging.getLogger("strata.stage")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -88,13 +90,7 @@ def _compiler_id(cc: str) -> str:
 
 
 def _cpu_id() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
 
 
 def _included(text: bytes, seen: dict[str, bytes] | None = None) -> dict[str, bytes]:

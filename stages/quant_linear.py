@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pool.computable import keeps_int4
+from pool.computable import keeps_int4, native_16bit
 from pool.gguf_meta import PLANE_COUNTS
 from stages import byte_rows
 
@@ -201,13 +201,6 @@ def _cpu_values(packed: torch.Tensor, rows: int, k: int, block: int | None = Non
     return v.view(rows, k)
 
 
-@lru_cache(maxsize=None)
-def _native_16bit(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies this 16-bit dtype natively on this CPU (else torch converts through float32)."""
-    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
-    return bool(check and getattr(torch.ops.mkldnn, check)())
-
-
 def kernel_dtype_ok(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `pack` keeps weights quantized for this compute dtype and device (pool/computable.keeps_int4, the
     rule `strata config check` counts by; on the CPU also `cpu_layout_ok`)."""
@@ -259,7 +252,8 @@ class QuantLinear:
         if wt is not None:  # the same values, by stages/byte_rows.py's library (its rule 6), transposed
             # a GEMM reads the transposed view as fast, except a 16-bit one torch converts through float32: [3072,
             # 768] by 128 rows in bfloat16 on an AVX2 CPU 635 ms transposed, 37 ms contiguous
-            return wt.t() if self.dtype == torch.float32 or _native_16bit(self.dtype) else wt.t().contiguous()
+            native = self.dtype == torch.float32 or native_16bit(str(self.dtype).removeprefix("torch."))
+            return wt.t() if native else wt.t().contiguous()
         out = None
         for p, sz in zip(self.packed, self.scales_zeros):
             w = _cpu_values(p, self.rows, k).view(self.rows, k // g, g)[:n]

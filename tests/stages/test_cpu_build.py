@@ -7,14 +7,23 @@ import ctypes
 from stages import cpu_build
 
 
-def test_a_changed_header_builds_a_new_library_and_removes_the_old(tmp_path, monkeypatch):
+def _sources(tmp_path, monkeypatch, csrc_files: dict[str, str], source: str):
+    """csrc/ holding `csrc_files` and lib.c holding `source` under tmp_path, the build pointed at them and at a
+    fresh kernel cache: (csrc, lib.c)."""
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    (csrc / "part.h").write_text("static inline int part(void) { return 1; }\n")
-    source = tmp_path / "lib.c"
-    source.write_text('#include "part.h"\nint answer(void) { return part(); }\n')
+    for name, text in csrc_files.items():
+        (csrc / name).write_text(text)
+    lib = tmp_path / "lib.c"
+    lib.write_text(source)
     monkeypatch.setattr(cpu_build, "CSRC", csrc)
     monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    return csrc, lib
+
+
+def test_a_changed_header_builds_a_new_library_and_removes_the_old(tmp_path, monkeypatch):
+    csrc, source = _sources(tmp_path, monkeypatch, {"part.h": "static inline int part(void) { return 1; }\n"},
+                            '#include "part.h"\nint answer(void) { return part(); }\n')
     first = cpu_build.build(source, "lib")
     assert cpu_build.build(source, "lib") == first
     assert ctypes.CDLL(str(first)).answer() == 1
@@ -30,14 +39,10 @@ def test_a_changed_header_builds_a_new_library_and_removes_the_old(tmp_path, mon
 def test_a_header_included_by_a_header_is_part_of_the_hash(tmp_path, monkeypatch):
     """Rule 3: a source that includes another source (csrc/cpu_decode_layer.c includes cpu_byte_rows.c, which
     includes cpu_isa.h) is built anew when the innermost file changes."""
-    csrc = tmp_path / "csrc"
-    csrc.mkdir()
-    (csrc / "inner.h").write_text("static inline int inner(void) { return 1; }\n")
-    (csrc / "outer.c").write_text('#include "inner.h"\nstatic int outer(void) { return inner() * 10; }\n')
-    source = tmp_path / "lib.c"
-    source.write_text('#include "outer.c"\nint answer(void) { return outer(); }\n')
-    monkeypatch.setattr(cpu_build, "CSRC", csrc)
-    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    csrc, source = _sources(tmp_path, monkeypatch,
+                            {"inner.h": "static inline int inner(void) { return 1; }\n",
+                             "outer.c": '#include "inner.h"\nstatic int outer(void) { return inner() * 10; }\n'},
+                            '#include "outer.c"\nint answer(void) { return outer(); }\n')
     first = cpu_build.build(source, "lib")
     assert ctypes.CDLL(str(first)).answer() == 10
     (csrc / "inner.h").write_text("static inline int inner(void) { return 2; }\n")
@@ -48,8 +53,7 @@ def test_a_header_included_by_a_header_is_part_of_the_hash(tmp_path, monkeypatch
 
 def test_flags_are_part_of_the_hash(tmp_path, monkeypatch):
     """Rule 3: the same source built with other flags is another library (the tests' builds without AVX-512)."""
-    source = tmp_path / "lib.c"
-    source.write_text("int answer(void) {\n#ifdef EXTRA\n    return 2;\n#else\n    return 1;\n#endif\n}\n")
-    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "kernels"))
+    _, source = _sources(tmp_path, monkeypatch, {},
+                         "int answer(void) {\n#ifdef EXTRA\n    return 2;\n#else\n    return 1;\n#endif\n}\n")
     plain, extra = cpu_build.build(source, "lib"), cpu_build.build(source, "lib", ("-DEXTRA",))
     assert plain != extra and ctypes.CDLL(str(extra)).answer() == 2
