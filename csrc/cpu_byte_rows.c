@@ -212,6 +212,161 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
 #endif
 }
 
+/* The same product with the rows of x quantized to 8 bits (stages/byte_rows.py rule 7) and multiplied by integer
+   dot products, as llama.cpp multiplies its quantized weights. Each block of 32 values of a row: d = absmax / 127,
+   a = x * (1 / d) rounded to nearest even (0 where d is 0), clamped to +-127; X[m][g] = the sum over the blocks of
+   group g of d * (the block's sum of a). Per output and row: the blocks' integer products (exact in 32 bits), each
+   block's converted to float32 and added into 8 lanes by one fused multiply-add times s[n][g] * d (two blocks per
+   step for nibbles, so two accumulators, each over every other step), the lanes summed; then the offsets, b[n][g]
+   times X[m][g] over the groups (for bytes b + 128 s: they are multiplied as q - 128, |q - 128| <= 128, so a pair of
+   products fits in 16 bits), then the bias. A row's values do not depend on the other rows of the call. 256-bit
+   integer instructions on AVX2 and AVX-512 alike: the same sums on both. */
+#if STRATA_ISA
+/* Activations of a pair of blocks A, B as the nibble kernel reads them: A 0-15, B 0-15, A 16-31, B 16-31, so that
+   the 32 bytes of nibble pairs of the two blocks give, low nibbles then high ones, the values in that order. */
+static inline __m256 q8_scales(float sa, float sb) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sa)), _mm_set1_ps(sb), 1);
+}
+
+static inline float hsum8(__m256 v) {
+    const __m128 t = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+/* Nibbles: k steps of 64 (two blocks), dd[m][pair] = [d_A x4, d_B x4]. */
+#define Q8_NIBBLE_ROWS(R)                                                                                         \
+    case R: {                                                                                                     \
+        __m256 acc[R];                                                                                            \
+        for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();                                                 \
+        for (int64_t p = 0; p < pairs; p++) {                                                                     \
+            if (!(p & 1)) _mm_prefetch((const char *)(qn + 32 * p + BYTE_PREFETCH), _MM_HINT_NTA);                \
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qn + 32 * p));                              \
+            const __m256i wl = _mm256_and_si256(raw, low4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4); \
+            const __m256 sv = per == 1 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(sn + 2 * (p & ~(int64_t)3)),    \
+                                                                  _mm256_load_si256(pick + (p & 3)))              \
+                                       : q8_scales(sn[gi[2 * p]], sn[gi[2 * p + 1]]);                             \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                 \
+                const int8_t *am = a + m * kk + 64 * p;                                                           \
+                const __m256i p16 =                                                                               \
+                    _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)am)),          \
+                                     _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(am + 32))));   \
+                const __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16));                             \
+                acc[m] = _mm256_fmadd_ps(pf, _mm256_mul_ps(sv, _mm256_loadu_ps(dd + (m * pairs + p) * 8)), acc[m]); \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < R; m++) dot[m] = hsum8(acc[m]);                                                       \
+        break;                                                                                                    \
+    }
+
+/* Bytes: k steps of 32 (one block), dd[m][block] = d. */
+#define Q8_BYTE_ROWS(R)                                                                                           \
+    case R: {                                                                                                     \
+        __m256 acc[R];                                                                                            \
+        for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();                                                 \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                                              \
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qn + 32 * blk)), top);       \
+            const __m256i wabs = _mm256_abs_epi8(w);                                                              \
+            const float sb = sn[gi[blk]];                                                                         \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                 \
+                const __m256i am = _mm256_loadu_si256((const __m256i *)(a + m * kk + 32 * blk));                 \
+                const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(am, w));                          \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16)),                      \
+                                         _mm256_set1_ps(sb * dd[m * blocks + blk]), acc[m]);                      \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < R; m++) dot[m] = hsum8(acc[m]);                                                       \
+        break;                                                                                                    \
+    }
+#define Q8_ALL(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8)
+
+/* The rows of x as 8-bit blocks: a [rows][kk] int8 (pairs of blocks reordered for nibbles, as above), dd (nibbles:
+   [rows][kk / 64][8], bytes: [rows][kk / 32]), sums [rows][kk / group] (X above). */
+static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t group, int bits, int8_t *a, float *dd,
+                           float *sums) {
+    const int64_t blocks = kk / 32, per = group / 32;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const float *xb = x + m * kk + blk * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            int8_t *ab = a + m * kk + (bits == 4 ? (blk & ~(int64_t)1) * 32 + (blk & 1) * 16 : blk * 32);
+            for (int j = 0; j < 32; j++) {
+                float v = nearbyintf(xb[j] * id);
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                ab[bits == 4 && j >= 16 ? j + 16 : j] = (int8_t)v;
+                sum += (int)v;
+            }
+            if (bits == 4)
+                for (int j = 0; j < 4; j++) dd[m * blocks * 4 + (blk / 2) * 8 + (blk & 1) * 4 + j] = d;
+            else
+                dd[m * blocks + blk] = d;
+            const int64_t g = blk / per, at = m * (kk / group) + g;
+            sums[at] = (blk % per ? sums[at] : 0.0f) + d * (float)sum;
+        }
+}
+#endif
+
+int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
+                        const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
+#if STRATA_ISA
+    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 32 || group % 32 || kk % group ||
+        (bits != 8 && bits != 4) || (bits == 4 && kk % 64) || threads < 1)
+        return -1;
+    const int64_t groups = kk / group, blocks = kk / 32, pairs = kk / 64;
+    int8_t *a = malloc((size_t)(rows * kk));
+    float *dd = malloc(sizeof(float) * rows * blocks * 4), *sums = malloc(sizeof(float) * rows * groups);
+    int32_t *gi = malloc(sizeof(int32_t) * blocks);
+    if (!a || !dd || !sums || !gi) {
+        free(a), free(dd), free(sums), free(gi);
+        return -3;
+    }
+    quantize_rows8(x, rows, kk, group, bits, a, dd, sums);
+    for (int64_t blk = 0; blk < blocks; blk++) gi[blk] = (int32_t)(blk / (group / 32));
+    const int64_t per = group / 32; /* 1: scales of pairs taken from 8 at a time by `pick` */
+    static const int32_t pick_[4][8] __attribute__((aligned(32))) = {
+        {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
+    const __m256i *pick = (const __m256i *)pick_;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *qn = q + i * (kk * bits / 8);
+        const float *sn = s + i * groups, *bn = b + i * groups;
+        const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(-128), ones16 = _mm256_set1_epi16(1);
+        float dot[BYTE_MAX_ROWS];
+        (void)low4, (void)top, (void)pairs;
+        for (int64_t line = 0; line < groups; line += 16) {
+            _mm_prefetch((const char *)(sn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+            _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+        }
+        if (bits == 8)
+            switch (rows) { Q8_ALL(Q8_BYTE_ROWS) }
+        else
+            switch (rows) { Q8_ALL(Q8_NIBBLE_ROWS) }
+        for (int64_t m = 0; m < rows; m++) { /* the offsets: 8 groups a step, then the rest in order */
+            const float *xs = sums + m * groups;
+            __m256 o8 = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 8 <= groups; g += 8) {
+                __m256 bg = _mm256_loadu_ps(bn + g);
+                if (bits == 8) bg = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), _mm256_loadu_ps(sn + g), bg);
+                o8 = _mm256_fmadd_ps(bg, _mm256_loadu_ps(xs + g), o8);
+            }
+            float off = hsum8(o8);
+            for (; g < groups; g++) off = fmaf(bits == 8 ? fmaf(128.0f, sn[g], bn[g]) : bn[g], xs[g], off);
+            y[m * n + i] = dot[m] + off + (bias ? bias[i] : 0.0f);
+        }
+    }
+    free(a), free(dd), free(sums), free(gi);
+    return 0;
+#else
+    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y,
+        (void)threads;
+    return -2;
+#endif
+}
+
 /* f rounded to bfloat16 to nearest even (finite values), as store_bf16 rounds. */
 static inline uint16_t round_bf16(float f) {
     uint32_t u;

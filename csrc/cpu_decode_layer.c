@@ -32,13 +32,19 @@ typedef struct {
     const float *scale, *offset; /* and an offset, [n, k / group] (cpu_byte_rows.c) */
     int64_t group;
     int bits;
+    int int8; /* byte rows: the rows of x as 8-bit rows (cpu_byte_rows.c strata_byte_rows_q8) */
 } strata_weight;
+
+typedef int (*byte_rows_fn)(const float *, int64_t, int64_t, const uint8_t *, int, const float *, const float *,
+                            int64_t, int64_t, const float *, float *, int);
 
 /* y [rows, n] = x [rows, k] times the weight (+ bias), by whichever kernel reads its form. */
 static int product(const strata_weight *w, const float *x, int64_t rows, float *y, int threads) {
     if (w->panels) return strata_packed_rows(x, rows, w->k, w->panels, w->n, w->kp, w->bias, y, threads);
-    if (w->bytes) return strata_byte_rows(x, rows, w->k, w->bytes, w->bits, w->scale, w->offset, w->n, w->group,
-                                          w->bias, y, threads);
+    if (w->bytes) {
+        const byte_rows_fn f = w->int8 ? strata_byte_rows_q8 : strata_byte_rows;
+        return f(x, rows, w->k, w->bytes, w->bits, w->scale, w->offset, w->n, w->group, w->bias, y, threads);
+    }
     return -1;
 }
 

@@ -88,6 +88,10 @@ class EngineConfig(_Strict):
     max_waiting: int = Field(64, ge=0)
     slot_save_path: str | None = None
     threads: int = Field(0, ge=0)  # torch threads per stage; 0 = torch's default
+    # A CPU stage multiplies the rows of a decode step by weights held as byte rows (a quantized GGUF, 8-bit GPTQ)
+    # with the rows quantized to 8 bits per 32 values, by integer dot products, as llama.cpp does (stages/byte_rows.py
+    # rule 7); false keeps float activations (the dequantized weights' product to float32 rounding).
+    int8_activations: bool = True
     # Cells of the device window per stage (pool/window_plan.py): "auto" = the whole pool on CUDA when it
     # fits, off on CPU; a number turns a CPU stage's window on too.
     device_cells: int | Literal["auto"] = "auto"

@@ -35,6 +35,14 @@ Rules:
    each row block's values at a k are contiguous), in the same float32 operations as QuantLinear.dequantize's
    torch code, bit for bit (checked once per process on seeded planes packed by torch; else torch's code runs): a
    [3072, 768] Q4_K weight 2.06 -> 0.36 ms.
+7. With `int8_activations` (engine.int8_activations, set by the stage on its ByteLinears), rule 2's product takes
+   the rows of x quantized to 8 bits per block of 32 (d = absmax / 127, a = x / d rounded to nearest even) and
+   multiplies them by integer dot products (`strata_byte_rows_q8`), as llama.cpp multiplies activations by its
+   quantized weights: on an AVX2 CPU 1.5-2x the float kernel's pace (docs/BENCHMARKS.md, "8-bit activations").
+   The result is the exact product of the quantized rows to float32 rounding (`reference_q8`, in float64, is the
+   first-use check's oracle), not of x: ~0.5% relative error on random rows. Each row is quantized alone, so a
+   row's values still do not depend on the other rows of a step. Nibble pairs need K a multiple of 64 (the kernel
+   takes two blocks a step); other weights and prefill pieces (rule 3) keep float activations.
 """
 from __future__ import annotations
 
@@ -56,7 +64,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_byte_rows.c"
 MAX_ROWS = 8  # rule 2 (BYTE_MAX_ROWS in the source)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
+_SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I],
+               "strata_byte_rows_q8": [_P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
                "strata_byte_dequant": [_P, _I, _P, _P, _L, _L, _L, _P, _I, _I],
                "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _L, _I, _P, _P, _I]}
 
@@ -107,19 +116,48 @@ def unpack(q: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return torch.cat([blocks & 15, blocks >> 4], dim=2).view(q.shape[0], k)
 
 
+def q8_takes(bits: int, k: int) -> bool:
+    """Rule 7's forms: bytes, or nibble pairs whose K is a multiple of 64."""
+    return bits == 8 or k % 64 == 0
+
+
 def _multiply(fns: dict, x: torch.Tensor, q: torch.Tensor, bits: int, s: torch.Tensor, b: torch.Tensor, group: int,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's product: x float32 [rows <= MAX_ROWS, K] -> float32 [rows, N]."""
+              bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
+    """The kernel's product: x float32 [rows <= MAX_ROWS, K] -> float32 [rows, N]; `int8`: rule 7's."""
     n, k = q.shape[0], x.shape[1]
     if q.shape[1] * 8 != k * bits:
         raise ValueError(f"{bits}-bit rows of {q.shape[1]} bytes do not hold {k} values")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = fns["strata_byte_rows"](x.data_ptr(), x.shape[0], k, q.data_ptr(), bits, s.data_ptr(), b.data_ptr(), n,
-                                 group, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 torch.get_num_threads())
+    name = "strata_byte_rows_q8" if int8 else "strata_byte_rows"
+    rc = fns[name](x.data_ptr(), x.shape[0], k, q.data_ptr(), bits, s.data_ptr(), b.data_ptr(), n, group,
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"strata_byte_rows refused a product of {x.shape[0]} rows by [{n}, {k}] ({rc})")
+        raise ValueError(f"{name} refused a product of {x.shape[0]} rows by [{n}, {k}] ({rc})")
     return out
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 7's rows of 8 bits: x float32 [rows, K] -> (a [rows, K / 32, 32] as float32 integers, d [rows, K / 32]),
+    the kernel's operations in float32: d = absmax / 127, a = x * (1 / d) rounded to nearest even (0 where d is 0)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    return torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127), d
+
+
+def reference_q8(x: torch.Tensor, values: torch.Tensor, s: torch.Tensor, b: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rule 7's product in float64: the quantized rows of x by the weight s * values + b (values uint8 [N, K]),
+    exact up to the last rounding."""
+    a, d = quantize_q8(x)
+    rows, blocks = d.shape
+    n = values.shape[0]
+    dots = torch.einsum("mbj,nbj->mnb", a.double(), values.double().view(n, blocks, 32))  # exact integers
+    per = group // 32
+    sd = s.double().repeat_interleave(per, 1).unsqueeze(0) * d.double().unsqueeze(1)  # [rows, N, blocks]
+    sums = (d.double() * a.double().sum(-1)).view(rows, -1, per).sum(-1)  # [rows, groups]
+    y = (sd * dots).sum(-1) + sums @ b.double().t()
+    return y if bias is None else y + bias.double()
 
 
 class ByteLinear:
@@ -136,6 +174,16 @@ class ByteLinear:
             self.bits, self.q = 4, nibbles(planes.values[0].to(torch.uint8))
         self.scale = planes.scales[0].to(torch.float32).contiguous()
         self.offset = planes.offset.to(torch.float32).contiguous()
+        self._int8 = False
+
+    @property
+    def int8_activations(self) -> bool:
+        """Rule 7: decode rows multiplied as 8-bit rows (set by the stage; False where the form does not take it)."""
+        return self._int8
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        self._int8 = bool(on) and q8_takes(self.bits, self.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +207,7 @@ class ByteLinear:
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
         if x2.shape[0] <= MAX_ROWS:
             y = _multiply(_library()[0], x2.to(self.dtype).float().contiguous(), self.q, self.bits, self.scale,
-                          self.offset, self.group, None).to(self.dtype)
+                          self.offset, self.group, None, self._int8).to(self.dtype)
         else:
             y = F.linear(x2.to(self.dtype), self.dequantize())
         y = y.to(x.dtype)
@@ -240,8 +288,8 @@ def _self_check(fns: dict[str, object]) -> None:
         raise KernelRefused("this CPU has neither AVX-512 nor AVX2 with FMA")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (64, 64, 32, 4),
-                                  (37, 256, 128, 4), (130, 96, 32, 4)):
+        for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (48, 320, 32, 8),
+                                  (64, 64, 32, 4), (37, 256, 128, 4), (130, 96, 32, 4), (48, 320, 32, 4)):
             v = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
             q = v if bits == 8 else nibbles(v)
             s = torch.rand(n, k // group, generator=g) * 0.01
@@ -262,3 +310,9 @@ def _self_check(fns: dict[str, object]) -> None:
                 if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                     raise KernelRefused(f"strata_byte_rows disagrees with F.linear by "
                                         f"{(got - want).abs().max().item():.2e} ({bits} bits)")
+                if q8_takes(bits, k):  # rule 7
+                    got = _multiply(fns, x, q, bits, s, b, group, bias, True).double()
+                    want = reference_q8(x, v, s, b, group, bias)
+                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                        raise KernelRefused(f"strata_byte_rows_q8 disagrees with its reference by "
+                                            f"{(got - want).abs().max().item():.2e} ({bits} bits)")

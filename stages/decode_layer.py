@@ -16,7 +16,7 @@ Rules:
    quantized GGUF model in float32) and whose norms are float32. Every other step and layer runs the Python path
    of stages/model.py, unchanged; a step may mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
-   products and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library),
+   products (of 8-bit rows where the weight says so: stages/byte_rows.py rule 7) and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library),
    in the same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells
    (into an int8 pool quantized as attention.quantize_int8 does, the same values and scales).
    The layer's output, the K/V rows in the pool and the step's logits are the same bit for bit (tested against
@@ -59,7 +59,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 class _Weight(ctypes.Structure):
     _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L), ("bytes", _P), ("scale", _P),
-                ("offset", _P), ("group", _L), ("bits", _I)]
+                ("offset", _P), ("group", _L), ("bits", _I), ("int8", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -141,7 +141,8 @@ class Layer:
                 n, struct, arrays = p.n, _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
             elif isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
                 (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
-                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits)
+                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits,
+                                 int(weight.int8_activations))
                 max_rows = min(max_rows, byte_rows.MAX_ROWS)
             else:
                 return None

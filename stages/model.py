@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from pool.computable import auto_dtype
 from stages import cpu_ops, decode_layer
 from stages.attention import paged_attention, write_kv
+from stages.byte_rows import ByteLinear
 from stages.batch import StepBatch
 from stages.checkpoint import Checkpoint, CheckpointError
 from stages.kv_cache import KVCache
@@ -209,6 +210,7 @@ class StageModel:
         dtype: torch.dtype | str | None = None,
         keep_quantized: bool = True,
         pack_weights: bool = True,
+        int8_activations: bool = False,
     ) -> None:
         n = ckpt.num_layers
         if not 0 <= first < last <= n:
@@ -262,6 +264,8 @@ class StageModel:
                 self.lm_head = pack_weight(self.lm_head)
             elif self.lm_head is not None:  # a tied table: one copy, read by both (packed_linear rule 9)
                 self.lm_head, self.embed = pack_tied(self.lm_head)
+        for w in self._byte_linears():  # decode rows as 8-bit rows (engine.int8_activations, byte_rows rule 7)
+            w.int8_activations = int8_activations
 
     def _pack(self, layer: dict) -> dict:
         """A layer's dict with its Planes packed (QuantLinear, lists of them for experts)."""
@@ -272,6 +276,14 @@ class StageModel:
                 return [one(x) for x in v]
             return v
         return {k: one(v) for k, v in layer.items()}
+
+    def _byte_linears(self) -> list[ByteLinear]:
+        """The stage's weights held as byte rows (stages/byte_rows.py), in experts' lists and RowStacks too."""
+        def flat(w: object) -> list:
+            if isinstance(w, (list, RowStack)):
+                return [x for v in (w.parts if isinstance(w, RowStack) else w) for x in flat(v)]
+            return [w] if isinstance(w, ByteLinear) else []
+        return flat([v for layer in self.layers for v in layer.values()] + [self.lm_head])
 
     def packed_weights(self) -> list[PackedLinear]:
         """The stage's packed weights in the order a step multiplies them (stages/packed_linear.py rule 6)."""

@@ -118,7 +118,8 @@ class StageRunner:
                 key=f"stages.{index}.layers",
             )
         self.dtype = resolve_dtype(e.dtype, self.ckpt, [s.device.split(":")[0] for s in cfg.stages])
-        self.model = StageModel(self.ckpt, self.first, self.last, self.device, self.dtype)
+        self.model = StageModel(self.ckpt, self.first, self.last, self.device, self.dtype,
+                                int8_activations=e.int8_activations)
         self.model_fp = self.ckpt.fingerprint()[:16]
         self.config_fp = cfg.fingerprint()
         self.kv_dtype = "int8" if e.kv_dtype == "int8" else kv_dtype_name(self.dtype)

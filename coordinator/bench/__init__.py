@@ -229,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "llama.cpp on the same file)")
     peers.add_argument("--gguf", default=None, help="a GGUF file to serve (Strata vs llama.cpp; no transformers)")
     peers.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                       help="Strata's engine.dtype (auto: the checkpoint's; a quantized GGUF's is bfloat16)")
+                       help="Strata's engine.dtype (auto: the checkpoint's; a quantized GGUF's bfloat16, or "
+                            "float32 on a CPU without native 16-bit products)")
+    peers.add_argument("--int8-activations", choices=["on", "off"], default="on",
+                       help="Strata's engine.int8_activations (decode rows by quantized weights as 8-bit rows)")
     mixed(peers)
     peers.add_argument("--requests", type=int, default=None, help="mixed: requests in all (default 32)")
     peers.add_argument("--seed", type=int, default=0, help="mixed: the workload's seed")

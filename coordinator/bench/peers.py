@@ -359,7 +359,7 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
     port = free_port()
     cfg = strata_config(model_dir, n_stages, args.layers, args.threads, port, max_context=peer_cells(args, spec),
                         parallel=peer_slots(args, spec), root=tmp, pipeline=True if name.endswith("p") else "auto",
-                        dtype=args.dtype)
+                        dtype=args.dtype, int8_activations=args.int8_activations == "on")
     path = tmp / f"{peer}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with StrataServer(path, port, tmp / f"{peer}.log") as server:
@@ -367,6 +367,7 @@ def run_strata_peer(args: argparse.Namespace, peer: str, model_dir: str, tmp: Pa
         weights = stage_weight_bytes(server.url)
     notes.append(f"{peer}: {n_stages} CPU stage(s), engine.pipeline {cfg['engine']['pipeline']}, "
                  f"engine.threads {cfg['engine']['threads']} each, engine.dtype {cfg['engine']['dtype']}, "
+                 f"engine.int8_activations {cfg['engine']['int8_activations']}, "
                  f"layers {[s['layers'] for s in cfg['stages']]}, parallel {cfg['engine']['parallel']}, "
                  f"weights as loaded per stage (MiB) {[round(w / 2**20, 1) for w in weights]}")
     notes.append(short_note(peer, found, args.output_tokens))

@@ -29,11 +29,13 @@ def free_port() -> int:
 
 
 def strata_config(model_dir: str, n_stages: int, n_layers: int, threads: int, port: int, max_context: int,
-                  parallel: int, root: Path, pipeline: bool | str = "auto", dtype: str = "auto") -> dict[str, Any]:
+                  parallel: int, root: Path, pipeline: bool | str = "auto", dtype: str = "auto",
+                  int8_activations: bool = True) -> dict[str, Any]:
     """A box config for N CPU stages over the checkpoint's layers, split as evenly as it goes; the stage
     sockets in `root`, a private (0700) directory, as a stage requires of its runtime directory. `threads` is
     the box's budget: stages in turns (pool/pipeline.py, the default for CPU stages on one machine) each get all
-    of it, since one computes at a time; pipelined ones split it. `dtype` is engine.dtype."""
+    of it, since one computes at a time; pipelined ones split it. `dtype` is engine.dtype, `int8_activations`
+    engine.int8_activations."""
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     piped = pipeline is True  # "auto" on CPU stages of one machine: in turns
     chunk = CHUNK_CELLS
@@ -43,7 +45,8 @@ def strata_config(model_dir: str, n_stages: int, n_layers: int, threads: int, po
         "coordinator": {"host": "127.0.0.1", "port": port},
         "engine": {"max_context": max_context, "parallel": parallel, "kv_pool_tokens": parallel * max_context,
                    "chunk_cells": chunk, "threads": max(1, threads // n_stages) if piped else threads,
-                   "prefill_chunk": min(512, max_context), "pipeline": pipeline, "dtype": dtype},
+                   "prefill_chunk": min(512, max_context), "pipeline": pipeline, "dtype": dtype,
+                   "int8_activations": int8_activations},
         "stages": [{"device": "cpu", "layers": [bounds[i], bounds[i + 1]],
                     "endpoint": f"ipc://{root}/s{i}"} for i in range(n_stages)],
     }

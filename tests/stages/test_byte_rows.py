@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from stages import byte_rows
 from stages.byte_rows import MAX_ROWS, ByteLinear
-from stages.quant_linear import QuantLinear, pack, planes_from_gguf
+from stages.quant_linear import Planes, QuantLinear, pack, planes_from_gguf
 from tests.stages.harness import gguf_blocks, use_wrong_source
 
 gguf = pytest.importorskip("gguf")
@@ -70,12 +70,58 @@ def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", TWO_PLANES + ONE_PLANE)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_int8_activations_are_the_product_of_the_quantized_rows(kind: str, rows: int) -> None:
+    """Rule 7: with 8-bit rows the kernel gives the exact product of the quantized rows (reference_q8, float64) to
+    float32 rounding, a block of zeros and a value far over the others included; that is not the float product, but
+    within the rows' quantization error of it."""
+    planes, w = weights(kind)
+    q = pack(planes, torch.float32, "cpu")
+    q.int8_activations = True
+    assert q.int8_activations
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    x[:, 64:96] = 0  # d = 0: the block adds nothing
+    x[0, 200] = 1e3  # its block's other values round to 0 or +-1
+    bias = torch.randn(N)
+    got = q(x, bias).double()
+    values = byte_rows.unpack(q.q, q.bits, K)
+    want = byte_rows.reference_q8(x, values, q.scale, q.offset, q.group, bias)
+    torch.testing.assert_close(got, want, atol=4e-6 * want.abs().max().item(), rtol=1e-5)
+    exact = F.linear(x.double(), w.double(), bias.double())
+    err = ((got - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < err < 0.02, err
+    a, d = byte_rows.quantize_q8(x)
+    assert torch.equal(d[:, 2], torch.zeros(rows)) and a.abs().max() == 127 and torch.equal(a, a.round())
+
+
+@needs_kernel
+def test_int8_activations_in_bfloat16_and_the_forms_they_take() -> None:
+    """Rule 7 in bfloat16 (bytes: the float kernel's form there), one rounding of the quantized rows' product; nibble
+    pairs whose K is not a multiple of 64 keep float rows."""
+    planes, _ = weights("Q8_0")
+    q = pack(planes, torch.bfloat16, "cpu")
+    q.int8_activations = True
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    want = byte_rows.reference_q8(x.float(), byte_rows.unpack(q.q, 8, K), q.scale, q.offset, q.group)
+    got = q(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 8e-3 * want.abs().max()
+    v = torch.randint(0, 16, (8, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    odd = ByteLinear(Planes([v], [torch.rand(8, 3)], torch.rand(8, 3)), torch.float32)
+    odd.int8_activations = True
+    assert odd.bits == 4 and not odd.int8_activations
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_values_do_not_depend_on_the_other_rows(dtype) -> None:
-    """Rule 2: the same row alone and among up to MAX_ROWS others gives the same bits (a decode step's row does
-    not change with the requests beside it)."""
+def test_a_rows_values_do_not_depend_on_the_other_rows(dtype, int8: bool) -> None:
+    """Rules 2 and 7: the same row alone and among up to MAX_ROWS others gives the same bits (a decode step's row
+    does not change with the requests beside it)."""
     planes, _ = weights("Q8_0")
     q = pack(planes, dtype, "cpu")
+    q.int8_activations = int8
     x = torch.randn(MAX_ROWS, K, generator=torch.Generator().manual_seed(3)).to(dtype)
     alone = torch.cat([q(x[i:i + 1]) for i in range(MAX_ROWS)])
     for rows in range(2, MAX_ROWS + 1):
@@ -182,7 +228,12 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
      ("HALF_BF16 _mm256_set1_epi32(0x7FFF)", "HALF_BF16 _mm256_set1_epi32(0x8000)")),  # just under halfway, odd word
     (("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
      ("strata_reduce16(lo[m], hi[m]) + off[m]", "strata_reduce16(lo[0], hi[0]) + off[m]")),
-], ids=["offsets", "scales", "nibbles", "bfloat16", "rows"])
+    (("ones16 = _mm256_set1_epi16(1)", "ones16 = _mm256_set1_epi16(2)"),) * 2,  # 8-bit rows: every product doubled
+    (("nearbyintf(xb[j] * id)", "truncf(xb[j] * id)"),) * 2,  # 8-bit rows rounded toward zero
+    (("{0, 0, 0, 0, 1, 1, 1, 1}, {2", "{0, 0, 0, 0, 0, 0, 0, 0}, {2"),) * 2,  # a pair of nibble blocks, one scale
+    (("_mm256_set1_ps(128.0f)", "_mm256_set1_ps(127.0f)"),) * 2,  # bytes' offsets, 8 groups a step
+], ids=["offsets", "scales", "nibbles", "bfloat16", "rows", "int8-pairs", "int8-round", "int8-pick",
+        "int8-offsets"])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
     """Rule 5: the first-use check against float64 F.linear and torch's dequantized weight; a source wrong in one
     place fails it, and the planes keep stages/quant_linear.py's packing."""

@@ -85,20 +85,22 @@ def test_decode_steps_through_one_call_per_layer_are_the_python_steps_bit_for_bi
 
 
 @needs_layer
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("arch,qtype", [("qwen3", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_0")])
-def test_a_quantized_gguf_model_in_float32_runs_its_byte_rows_in_the_call(tmp_path, monkeypatch, arch, qtype):
+def test_a_quantized_gguf_model_in_float32_runs_its_byte_rows_in_the_call(tmp_path, monkeypatch, arch, qtype, int8):
     """Rules 1-2 on byte rows: a Q8_0 (bytes) or Q4_0 (nibble pairs) file's projections (stages/byte_rows.py) are
-    read in the call, bit for bit the Python path's."""
+    read in the call, bit for bit the Python path's, with float rows and with 8-bit ones (byte_rows rule 7)."""
     if not byte_rows.available():
         pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
     src = make_tiny_model(tmp_path / arch, arch=arch, layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256)
     ckpt = load_checkpoint(write_gguf(src, tmp_path / f"{arch}.gguf", qtype))
-    model = StageModel(ckpt, 0, 3, dtype=torch.float32)
+    model = StageModel(ckpt, 0, 3, dtype=torch.float32, int8_activations=int8)
     bits = 8 if qtype == "Q8_0" else 4
+    names = ("qkv", "self_attn.o_proj", "gate_up", "mlp.down_proj")
     assert all(isinstance(model.layers[0][f"{n}.weight"], ByteLinear) and model.layers[0][f"{n}.weight"].bits == bits
-               for n in ("qkv", "gate_up", "mlp.down_proj"))
+               and model.layers[0][f"{n}.weight"].int8_activations == int8 for n in names)
     assert all(layer is not None for layer in model.decode_layers())
-    _same_steps(ckpt, monkeypatch, torch.float32)
+    _same_steps(ckpt, monkeypatch, torch.float32, int8)
 
 
 @needs_layer
@@ -120,8 +122,8 @@ def test_a_layer_of_byte_rows_takes_no_more_rows_than_their_kernel(tmp_path, mon
         assert calls.n - before == fused, rows
 
 
-def _same_steps(ckpt, monkeypatch, kv_dtype) -> None:
-    on, off = StageModel(ckpt, 0, 3, dtype=torch.float32), StageModel(ckpt, 0, 3, dtype=torch.float32)
+def _same_steps(ckpt, monkeypatch, kv_dtype, int8: bool = False) -> None:
+    on, off = (StageModel(ckpt, 0, 3, dtype=torch.float32, int8_activations=int8) for _ in range(2))
     for m in (on, off):
         m.sliding_windows = [None, 40, None]
     pools = [_pool(on, kv_dtype), _pool(off, kv_dtype)]
