@@ -214,6 +214,34 @@ def test_two_stage_runners_serve_a_gguf_like_one(files, tmp_path, arch: str) -> 
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_int8_activations_of_a_served_float32_stage(files, tmp_path, int8: bool) -> None:
+    """engine.int8_activations (default true) reaches every byte-rows weight of a CPU stage; with it two
+    conversations decoded in the same steps each get the tokens they get alone (a row is quantized by itself)."""
+    from tests.stages.harness import GREEDY
+
+    if not byte_rows.available():
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    path, _ = files("qwen3", "Q8_0")
+    prompts = {0: PROMPT, 1: [7, 300, 41, 2, 99, 18, 5, 64, 33, 1]}
+    engine = {"dtype": "float32"} if int8 else {"dtype": "float32", "int8_activations": False}
+    local = Local(make_cfg(path, [[0, 2], [2, 4]], **engine), tmp_path, tag=f"i{int(int8)}")
+    try:
+        weights = [w for r in local.runners for w in r.model._byte_linears()]
+        assert weights and all(isinstance(w, ByteLinear) and w.int8_activations == int8 for w in weights)
+        solo = {s: local.generate(s, p, 5) for s, p in prompts.items()}
+        slots = [[2 + s, 0, len(p), 1] for s, p in prompts.items()]
+        res = local.step(slots, prompts[0] + prompts[1], {2: dict(GREEDY), 3: dict(GREEDY)})
+        got = {r[0] - 2: [r[1]] for r in res}
+        for i in range(5):
+            step = [[2 + s, len(prompts[s]) + i, 1, 1] for s in (0, 1)]
+            for r in local.step(step, [got[0][-1], got[1][-1]]):
+                got[r[0] - 2].append(r[1])
+    finally:
+        local.close()
+    assert got == solo
+
+
 def test_k_quant_tensor_dequantizes_as_gguf_does(files, tmp_path) -> None:
     """Q4_K (gguf cannot quantize it): a block of random bytes with sane f16 scales, read back as gguf reads it."""
     src, _ = files("qwen3")
