@@ -234,26 +234,39 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
 }
 
-/* Nibbles: k steps of 64 (two blocks), dd[m][pair] = [d_A x4, d_B x4]. */
+/* Nibbles: k steps of 64 (two blocks), dd[m][pair] = [d_A x4, d_B x4]; pair P of every row by the scales SV. */
+#define Q8_NIBBLE_PAIR(R, P, SV)                                                                                  \
+    do {                                                                                                          \
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qn + 32 * (P)));                                \
+        const __m256i wl = _mm256_and_si256(raw, low4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);   \
+        const __m256 sv = (SV);                                                                                   \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                     \
+            const int8_t *am = a + m * kk + 64 * (P);                                                             \
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)am)), \
+                                                 _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(am + 32)))); \
+            const __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16));                                 \
+            acc[m] = _mm256_fmadd_ps(pf, _mm256_mul_ps(sv, _mm256_loadu_ps(dd + (m * pairs + (P)) * 8)), acc[m]); \
+        }                                                                                                         \
+    } while (0)
+
+/* Groups of 32 (per 1): 4 pairs a step, their 8 scales loaded at once; then any other pairs one by one. */
 #define Q8_NIBBLE_ROWS(R)                                                                                         \
     case R: {                                                                                                     \
         __m256 acc[R];                                                                                            \
         for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();                                                 \
-        for (int64_t p = 0; p < pairs; p++) {                                                                     \
-            if (!(p & 1)) _mm_prefetch((const char *)(qn + 32 * p + BYTE_PREFETCH), _MM_HINT_NTA);                \
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qn + 32 * p));                              \
-            const __m256i wl = _mm256_and_si256(raw, low4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4); \
-            const __m256 sv = per == 1 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(sn + 2 * (p & ~(int64_t)3)),    \
-                                                                  _mm256_load_si256(pick + (p & 3)))              \
-                                       : q8_scales(sn[gi[2 * p]], sn[gi[2 * p + 1]]);                             \
-            _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                 \
-                const int8_t *am = a + m * kk + 64 * p;                                                           \
-                const __m256i p16 =                                                                               \
-                    _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)am)),          \
-                                     _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(am + 32))));   \
-                const __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16));                             \
-                acc[m] = _mm256_fmadd_ps(pf, _mm256_mul_ps(sv, _mm256_loadu_ps(dd + (m * pairs + p) * 8)), acc[m]); \
-            }                                                                                                     \
+        int64_t p = 0;                                                                                            \
+        for (; per == 1 && p + 4 <= pairs; p += 4) {                                                              \
+            _mm_prefetch((const char *)(qn + 32 * p + BYTE_PREFETCH), _MM_HINT_NTA);                              \
+            _mm_prefetch((const char *)(qn + 32 * p + 64 + BYTE_PREFETCH), _MM_HINT_NTA);                         \
+            const __m256 s8 = _mm256_loadu_ps(sn + 2 * p);                                                        \
+            Q8_NIBBLE_PAIR(R, p, _mm256_permutevar8x32_ps(s8, _mm256_load_si256(pick)));                          \
+            Q8_NIBBLE_PAIR(R, p + 1, _mm256_permutevar8x32_ps(s8, _mm256_load_si256(pick + 1)));                  \
+            Q8_NIBBLE_PAIR(R, p + 2, _mm256_permutevar8x32_ps(s8, _mm256_load_si256(pick + 2)));                  \
+            Q8_NIBBLE_PAIR(R, p + 3, _mm256_permutevar8x32_ps(s8, _mm256_load_si256(pick + 3)));                  \
+        }                                                                                                         \
+        for (; p < pairs; p++) {                                                                                  \
+            if (!(p & 1)) _mm_prefetch((const char *)(qn + 32 * p + BYTE_PREFETCH), _MM_HINT_NTA);               \
+            Q8_NIBBLE_PAIR(R, p, q8_scales(sn[gi[2 * p]], sn[gi[2 * p + 1]]));                                    \
         }                                                                                                         \
         for (int m = 0; m < R; m++) dot[m] = hsum8(acc[m]);                                                       \
         break;                                                                                                    \
