@@ -38,7 +38,8 @@ Rules:
 7. With `int8_activations` (engine.int8_activations, set by the stage on its ByteLinears), rule 2's product takes
    the rows of x quantized to 8 bits per block of 32 (d = absmax / 127, a = x / d rounded to nearest even) and
    multiplies them by integer dot products (`strata_byte_rows_q8`), as llama.cpp multiplies activations by its
-   quantized weights: on an AVX2 CPU 1.5-2x the float kernel's pace (docs/BENCHMARKS.md, "8-bit activations").
+   quantized weights: on an AVX2 CPU 1.7-2.2x the float kernel's pace for nibble pairs, 1.1-1.4x for
+   bytes (docs/BENCHMARKS.md, "8-bit activations").
    The result is the exact product of the quantized rows to float32 rounding (`reference_q8`, in float64, is the
    first-use check's oracle), not of x: ~0.5% relative error on random rows. Each row is quantized alone, so a
    row's values still do not depend on the other rows of a step. Nibble pairs need K a multiple of 64 (the kernel
