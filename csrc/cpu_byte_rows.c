@@ -216,14 +216,14 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
    dot products, as llama.cpp multiplies its quantized weights. Each block of 32 values of a row: d = absmax / 127,
    a = x * (1 / d) rounded to nearest even (0 where d is 0), clamped to +-127; X[m][g] = the sum over the blocks of
    group g of d * (the block's sum of a). Per output and row: the blocks' integer products (exact in 32 bits), each
-   block's converted to float32 and added into 8 lanes by one fused multiply-add times s[n][g] * d (two blocks per
-   step for nibbles, so two accumulators, each over every other step), the lanes summed; then the offsets, b[n][g]
-   times X[m][g] over the groups (for bytes b + 128 s: they are multiplied as q - 128, |q - 128| <= 128, so a pair of
-   products fits in 16 bits), then the bias. A row's values do not depend on the other rows of the call. 256-bit
-   integer instructions on AVX2 and AVX-512 alike: the same sums on both. */
+   block's converted to float32 and added into one 8-lane accumulator, in k order, by one fused multiply-add times
+   s[n][g] * d (nibbles: two blocks a step, lanes 0-3 the first's, 4-7 the second's), the lanes summed; then the
+   offsets, b[n][g]
+   times X[m][g] over the groups, 8 at a time (for bytes b + 128 s: they are multiplied as q - 128, |q - 128| <= 128,
+   so a pair of products fits in 16 bits), then the bias. A row's values do not depend on the other rows of the
+   call. 256-bit integer instructions on AVX2 and AVX-512 alike: the same sums on both. */
 #if STRATA_ISA
-/* Activations of a pair of blocks A, B as the nibble kernel reads them: A 0-15, B 0-15, A 16-31, B 16-31, so that
-   the 32 bytes of nibble pairs of the two blocks give, low nibbles then high ones, the values in that order. */
+/* A pair of blocks' scales as the nibble kernel's lanes take them: sa in lanes 0-3, sb in 4-7. */
 static inline __m256 q8_scales(float sa, float sb) {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sa)), _mm_set1_ps(sb), 1);
 }
@@ -242,10 +242,12 @@ static inline float hsum8(__m256 v) {
         const __m256 sv = (SV);                                                                                   \
         _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                     \
             const int8_t *am = a + m * kk + 64 * (P);                                                             \
-            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256((const __m256i *)am)), \
-                                                 _mm256_maddubs_epi16(wh, _mm256_loadu_si256((const __m256i *)(am + 32)))); \
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)am);                                           \
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(am + 32));                                    \
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, lo), _mm256_maddubs_epi16(wh, hi));      \
             const __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16));                                 \
-            acc[m] = _mm256_fmadd_ps(pf, _mm256_mul_ps(sv, _mm256_loadu_ps(dd + (m * pairs + (P)) * 8)), acc[m]); \
+            const __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(dd + (m * pairs + (P)) * 8));                  \
+            acc[m] = _mm256_fmadd_ps(pf, scale, acc[m]);                                                          \
         }                                                                                                         \
     } while (0)
 
@@ -293,8 +295,9 @@ static inline float hsum8(__m256 v) {
     }
 #define Q8_ALL(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8)
 
-/* The rows of x as 8-bit blocks: a [rows][kk] int8 (pairs of blocks reordered for nibbles, as above), dd (nibbles:
-   [rows][kk / 64][8], bytes: [rows][kk / 32]), sums [rows][kk / group] (X above). */
+/* The rows of x as 8-bit blocks: a [rows][kk] int8, for nibbles each pair of blocks A, B reordered A 0-15, B 0-15,
+   A 16-31, B 16-31 (the 32 bytes of the pair's nibbles give, low nibbles then high ones, the values in that
+   order); dd (nibbles: [rows][kk / 64][8], bytes: [rows][kk / 32]); sums [rows][kk / group] (X above). */
 static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t group, int bits, int8_t *a, float *dd,
                            float *sums) {
     const int64_t blocks = kk / 32, per = group / 32;
