@@ -20,7 +20,8 @@ Rules:
    whose order does not depend on the other rows (the kernel's comment), rounded once to the compute dtype. It
    reads the exact weights (float32 scales); torch's int4 kernel rounds the scales to the compute dtype.
 3. A product of more rows (a prefill piece) dequantizes the weight into the compute dtype in one pass of the
-   library (s * q + b by one fused multiply-add, rounded once to a 16-bit dtype) and runs one F.linear (a GEMM), as
+   library (s * q + b by one fused multiply-add, rounded once to a 16-bit dtype) and runs one GEMM (oneDNN's in
+   float32: stages/packed_linear.py rule 10), as
    stages/quant_linear.py does: no second copy is kept. torch's own dequantize of one plane took 2.5 ms for a
    [3072, 768] Q4_K weight in bfloat16, more than the GEMM of 128 rows by it (1.7 ms).
 4. The rows are shared statically by torch's threads (`torch.get_num_threads()`).
@@ -56,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages import cpu_build
+from stages import cpu_build, packed_linear
 from stages.cpu_build import KernelRefused
 
 log = logging.getLogger("strata.stage")
@@ -210,7 +211,7 @@ class ByteLinear:
             y = _multiply(_library()[0], x2.to(self.dtype).float().contiguous(), self.q, self.bits, self.scale,
                           self.offset, self.group, None, self._int8).to(self.dtype)
         else:
-            y = F.linear(x2.to(self.dtype), self.dequantize())
+            y = packed_linear.dense(x2.to(self.dtype), self.dequantize())
         y = y.to(x.dtype)
         if bias is not None:
             y = y + bias

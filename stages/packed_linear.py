@@ -45,6 +45,10 @@ Rules:
    F.linear, a tied table [151936, 1024] (Qwen3-0.6B's) took 42 ms for 1 row and 129 ms for 4 (2 threads, AMD
    EPYC), packed 24 and 21 ms (docs/BENCHMARKS.md, "A tied table packed once"). Where packed_rows cannot read it,
    the table stays one plain tensor for both.
+10. A float32 weight made for one product (a quantized weight dequantized for a prefill piece, stages/byte_rows.py
+   rule 3) is multiplied by oneDNN straight from its plain layout (`dense`): on an AVX2 CPU torch's F.linear
+   (MKL's sgemm) took 1.3-1.6x as long for a [3072, 768] or [6144, 768] weight by 128 rows (docs/BENCHMARKS.md,
+   "8-bit activations"). Fewer than MIN_ROWS rows, or where packed float32 weights are not available here, F.linear.
 """
 from __future__ import annotations
 
@@ -135,6 +139,14 @@ def available(dtype: torch.dtype) -> bool:
     except (RuntimeError, TypeError):  # an op the build lacks, a CPU it cannot run on, a changed signature
         return False
     return True
+
+
+def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rule 10: x [rows, K] by a plain float32 weight w [N, K] used once."""
+    if w.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] >= MIN_ROWS \
+            and available(torch.float32):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
+    return F.linear(x, w)
 
 
 class PackedLinear:

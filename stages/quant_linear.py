@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from pool.computable import keeps_int4, native_16bit
 from pool.gguf_meta import PLANE_COUNTS
-from stages import byte_rows
+from stages import byte_rows, packed_linear
 
 GROUP = 32
 KERNEL_MAX_ROWS = 24  # CPU: up to this many rows the int4 kernel beats dequantize + GEMM (strata bench quant; with
@@ -273,7 +273,7 @@ class QuantLinear:
                     for p, sz in zip(self.packed, self.scales_zeros))
             y = y[:, :n]
         else:
-            y = F.linear(x2.to(self.dtype), self.dequantize())
+            y = packed_linear.dense(x2.to(self.dtype), self.dequantize())  # oneDNN in float32 (its rule 10)
         y = y.to(x.dtype)  # type: ignore[union-attr]
         if bias is not None:
             y = y + bias

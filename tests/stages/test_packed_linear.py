@@ -203,3 +203,18 @@ def test_packed_and_plain_stages_both_give_transformers_logits(tmp_path, arch):
     ref = hf_logits(model, prompt_ids(2, 70) + got[True][1])
     for pack in (True, False):
         torch.testing.assert_close(got[pack][0], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 128])
+def test_a_dense_weight_used_once_is_multiplied_like_f_linear(rows):
+    """Rule 10: a plain float32 weight's product through oneDNN agrees with F.linear to float32 rounding; fewer than
+    MIN_ROWS rows and other dtypes are F.linear's own, bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
+    got = packed_linear.dense(x, w)
+    if rows < packed_linear.MIN_ROWS or not available(torch.float32):
+        assert torch.equal(got, F.linear(x, w))
+    else:
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double()), rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed_linear.dense(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
