@@ -43,6 +43,12 @@
 
 int strata_byte_rows_isa(void) { return STRATA_ISA; }
 
+/* Groups a multiple of 32, or of 16 for bytes (Q6_K's sub-blocks): a block of 32 values then has two scales, the
+   first 16 values' and the last 16's (gstep 2 groups per block), else one (gstep 1, `span` values per group). */
+static inline int group_ok(int64_t kk, int64_t group, int bits) {
+    return (group >= 32 ? group % 32 == 0 : group == 16 && bits == 8) && kk % group == 0 && kk % 32 == 0;
+}
+
 #if STRATA_ISA == 512
 
 /* The 16 bytes at q as float32. */
@@ -76,22 +82,22 @@ static inline void store_bf16(uint16_t *dst, __mmask16 mask, __m512 v) {
         __m512 acc[R];                                                                                            \
         float off[R];                                                                                             \
         for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps(), off[m] = 0.0f;                                  \
-        for (int64_t g = 0; g < groups; g++) {                                                                    \
-            const __m512 scale = _mm512_set1_ps(sn[g]);                                                           \
-            for (int64_t j = 0; j < group; j += 32) {                                                             \
+        for (int64_t g = 0; g < groups; g += gstep) {                                                             \
+            const __m512 sa = _mm512_set1_ps(sn[g]), sb = _mm512_set1_ps(sn[g + gstep - 1]);                      \
+            for (int64_t j = 0; j < span; j += 32) {                                                              \
                 const int64_t k = g * group + j;                                                                  \
                 __m512 w0, w1;                                                                                    \
                 if (B == 4 && !((k / 2) & 63))                                                                    \
                     _mm_prefetch((const char *)(qn + k / 2 + BYTE_PREFETCH), _MM_HINT_NTA);                       \
                 values32(qn, k, B, &w0, &w1);                                                                     \
-                w0 = _mm512_mul_ps(w0, scale), w1 = _mm512_mul_ps(w1, scale);                                     \
+                w0 = _mm512_mul_ps(w0, sa), w1 = _mm512_mul_ps(w1, sb);                                           \
                 _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                             \
                     acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * kk + k), acc[m]);                        \
                     acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * kk + k + 16), acc[m]);                   \
                 }                                                                                                 \
             }                                                                                                     \
-            _Pragma("GCC unroll 8") for (int m = 0; m < R; m++)                                                   \
-                off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);                                               \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) for (int64_t h = g; h < g + gstep; h++)           \
+                off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);                                               \
         }                                                                                                         \
         for (int m = 0; m < R; m++)                                                                               \
             y[m * n + i] = _mm512_reduce_add_ps(acc[m]) + off[m] + (bias ? bias[i] : 0.0f);                       \
@@ -129,15 +135,15 @@ static inline void values32x8(const uint8_t *qn, int64_t k, int bits, __m256 v[4
         __m256 lo[R], hi[R];                                                                                      \
         float off[R];                                                                                             \
         for (int m = 0; m < R; m++) lo[m] = hi[m] = _mm256_setzero_ps(), off[m] = 0.0f;                           \
-        for (int64_t g = 0; g < groups; g++) {                                                                    \
-            const __m256 scale = _mm256_set1_ps(sn[g]);                                                           \
-            for (int64_t j = 0; j < group; j += 32) {                                                             \
+        for (int64_t g = 0; g < groups; g += gstep) {                                                             \
+            const __m256 sa = _mm256_set1_ps(sn[g]), sb = _mm256_set1_ps(sn[g + gstep - 1]);                      \
+            for (int64_t j = 0; j < span; j += 32) {                                                              \
                 const int64_t k = g * group + j;                                                                  \
                 __m256 w[4];                                                                                      \
                 if (B == 4 && !((k / 2) & 63))                                                                    \
                     _mm_prefetch((const char *)(qn + k / 2 + BYTE_PREFETCH), _MM_HINT_NTA);                       \
                 values32x8(qn, k, B, w);                                                                          \
-                for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], scale);                                    \
+                for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], v < 2 ? sa : sb);                          \
                 _Pragma("GCC unroll 4") for (int m = 0; m < R; m++) {                                             \
                     const float *xk = x + m * kk + k;                                                             \
                     lo[m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xk), lo[m]);                                    \
@@ -146,8 +152,8 @@ static inline void values32x8(const uint8_t *qn, int64_t k, int bits, __m256 v[4
                     hi[m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xk + 24), hi[m]);                               \
                 }                                                                                                 \
             }                                                                                                     \
-            _Pragma("GCC unroll 4") for (int m = 0; m < R; m++)                                                   \
-                off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);                                               \
+            _Pragma("GCC unroll 4") for (int m = 0; m < R; m++) for (int64_t h = g; h < g + gstep; h++)           \
+                off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);                                               \
         }                                                                                                         \
         for (int m = 0; m < R; m++)                                                                               \
             y[m * n + i] = strata_reduce16(lo[m], hi[m]) + off[m] + (bias ? bias[i] : 0.0f);                      \
@@ -161,6 +167,7 @@ static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t
                            const float *bn, const float *sums0, int64_t groups, int64_t group, int bits,
                            const float *bias, float *y0, int64_t n, int64_t i) {
     const float *x = x0, *sums = sums0;
+    const int64_t gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
     float *y = y0;
     if (bits == 8)
         switch (r) { ALL_ROWS(8) }
@@ -172,10 +179,13 @@ static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t
 int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
                      const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
 #if STRATA_ISA
-    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 32 || group % 32 || kk % group ||
-        (bits != 8 && bits != 4) || threads < 1)
+    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) ||
+        threads < 1)
         return -1;
     const int64_t groups = kk / group;
+#if STRATA_ISA == 512
+    const int64_t gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
+#endif
     float *sums = malloc(sizeof(float) * rows * groups);
     if (!sums) return -3;
     for (int64_t m = 0; m < rows; m++)
@@ -274,7 +284,8 @@ static inline float hsum8(__m256 v) {
         break;                                                                                                    \
     }
 
-/* Bytes: k steps of 32 (one block), dd[m][block] = d. */
+/* Bytes: k steps of 32 (one block), dd[m][block] = d; lanes 0-3 sum the block's first 16 values, 4-7 its last 16,
+   scaled by their groups' scales (gh: the group of each half block). */
 #define Q8_BYTE_ROWS(R)                                                                                           \
     case R: {                                                                                                     \
         __m256 acc[R];                                                                                            \
@@ -282,12 +293,12 @@ static inline float hsum8(__m256 v) {
         for (int64_t blk = 0; blk < blocks; blk++) {                                                              \
             const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qn + 32 * blk)), top);       \
             const __m256i wabs = _mm256_abs_epi8(w);                                                              \
-            const float sb = sn[gi[blk]];                                                                         \
+            const __m256 sv = q8_scales(sn[gh[2 * blk]], sn[gh[2 * blk + 1]]);                                    \
             _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                                 \
                 const __m256i am = _mm256_loadu_si256((const __m256i *)(a + m * kk + 32 * blk));                 \
                 const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(am, w));                          \
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones16)),                      \
-                                         _mm256_set1_ps(sb * dd[m * blocks + blk]), acc[m]);                      \
+                                         _mm256_mul_ps(sv, _mm256_set1_ps(dd[m * blocks + blk])), acc[m]);        \
             }                                                                                                     \
         }                                                                                                         \
         for (int m = 0; m < R; m++) dot[m] = hsum8(acc[m]);                                                       \
@@ -300,27 +311,32 @@ static inline float hsum8(__m256 v) {
    order); dd (nibbles: [rows][kk / 64][8], bytes: [rows][kk / 32]); sums [rows][kk / group] (X above). */
 static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t group, int bits, int8_t *a, float *dd,
                            float *sums) {
-    const int64_t blocks = kk / 32, per = group / 32;
+    const int64_t blocks = kk / 32, per = group < 32 ? 1 : group / 32;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t blk = 0; blk < blocks; blk++) {
             const float *xb = x + m * kk + blk * 32;
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
             const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
+            int sum[2] = {0, 0};
             int8_t *ab = a + m * kk + (bits == 4 ? (blk & ~(int64_t)1) * 32 + (blk & 1) * 16 : blk * 32);
             for (int j = 0; j < 32; j++) {
                 float v = nearbyintf(xb[j] * id);
                 v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
                 ab[bits == 4 && j >= 16 ? j + 16 : j] = (int8_t)v;
-                sum += (int)v;
+                sum[j >= 16] += (int)v;
             }
             if (bits == 4)
                 for (int j = 0; j < 4; j++) dd[m * blocks * 4 + (blk / 2) * 8 + (blk & 1) * 4 + j] = d;
             else
                 dd[m * blocks + blk] = d;
+            if (group == 16) { /* two groups a block */
+                sums[m * (kk / 16) + 2 * blk] = d * (float)sum[0];
+                sums[m * (kk / 16) + 2 * blk + 1] = d * (float)sum[1];
+                continue;
+            }
             const int64_t g = blk / per, at = m * (kk / group) + g;
-            sums[at] = (blk % per ? sums[at] : 0.0f) + d * (float)sum;
+            sums[at] = (blk % per ? sums[at] : 0.0f) + d * (float)(sum[0] + sum[1]);
         }
 }
 #endif
@@ -328,20 +344,23 @@ static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t gro
 int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
                         const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
 #if STRATA_ISA
-    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || group < 32 || group % 32 || kk % group ||
-        (bits != 8 && bits != 4) || (bits == 4 && kk % 64) || threads < 1)
+    if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) ||
+        (bits == 4 && kk % 64) || threads < 1)
         return -1;
     const int64_t groups = kk / group, blocks = kk / 32, pairs = kk / 64;
     int8_t *a = malloc((size_t)(rows * kk));
     float *dd = malloc(sizeof(float) * rows * blocks * 4), *sums = malloc(sizeof(float) * rows * groups);
-    int32_t *gi = malloc(sizeof(int32_t) * blocks);
+    int32_t *gi = malloc(sizeof(int32_t) * blocks * 3), *gh = gi + blocks; /* the group of each block, half block */
     if (!a || !dd || !sums || !gi) {
         free(a), free(dd), free(sums), free(gi);
         return -3;
     }
     quantize_rows8(x, rows, kk, group, bits, a, dd, sums);
-    for (int64_t blk = 0; blk < blocks; blk++) gi[blk] = (int32_t)(blk / (group / 32));
-    const int64_t per = group / 32; /* 1: scales of pairs taken from 8 at a time by `pick` */
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        gi[blk] = (int32_t)(32 * blk / group);
+        gh[2 * blk] = (int32_t)(32 * blk / group), gh[2 * blk + 1] = (int32_t)((32 * blk + 16) / group);
+    }
+    const int64_t per = group / 32; /* 1: scales of pairs taken from 8 at a time by `pick` (nibbles: group >= 32) */
     static const int32_t pick_[4][8] __attribute__((aligned(32))) = {
         {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
     const __m256i *pick = (const __m256i *)pick_;
@@ -397,21 +416,22 @@ static inline uint16_t round_bf16(float f) {
 #define HALF_BF16 _mm256_set1_epi32(0x7FFF) /* AVX2: rounding to bfloat16 adds this and the kept word's last bit */
 int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
                         int64_t group, void *out, int bf16, int threads) {
-    if (n < 1 || kk < 1 || group < 32 || group % 32 || kk % group || (bits != 8 && bits != 4) || threads < 1)
+    if (n < 1 || kk < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) || threads < 1)
         return -1;
 #if STRATA_ISA
-    const int64_t groups = kk / group;
+    const int64_t groups = kk / group, gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g = 0; g < groups; g += gstep) {
             const float sg = s[i * groups + g], bg = b[i * groups + g];
-            for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+            const float sh = s[i * groups + g + gstep - 1], bh = b[i * groups + g + gstep - 1]; /* last 16 */
+            for (int64_t k = g * group; k < g * group + span; k += 32) {
 #if STRATA_ISA == 512
                 __m512 v0, v1;
                 values32(qn, k, bits, &v0, &v1);
                 v0 = _mm512_fmadd_ps(_mm512_set1_ps(sg), v0, _mm512_set1_ps(bg));
-                v1 = _mm512_fmadd_ps(_mm512_set1_ps(sg), v1, _mm512_set1_ps(bg));
+                v1 = _mm512_fmadd_ps(_mm512_set1_ps(sh), v1, _mm512_set1_ps(bh));
                 if (bf16) {
                     store_bf16((uint16_t *)out + i * kk + k, 0xFFFF, v0);
                     store_bf16((uint16_t *)out + i * kk + k + 16, 0xFFFF, v1);
@@ -422,7 +442,8 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
 #else
                 __m256 v[4];
                 values32x8(qn, k, bits, v);
-                for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(_mm256_set1_ps(sg), v[j], _mm256_set1_ps(bg));
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm256_fmadd_ps(_mm256_set1_ps(j < 2 ? sg : sh), v[j], _mm256_set1_ps(j < 2 ? bg : bh));
                 if (bf16) {
                     __m256i r[4];
                     for (int j = 0; j < 4; j++) { /* round to nearest even, as store_bf16 */

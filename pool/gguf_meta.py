@@ -32,8 +32,8 @@ Rules:
   (`rope_freqs`, llama3's frequencies as a tensor, among them): loading it silently would serve wrong output.
 - Stored types: FLOAT_TYPES are read as floats; QUANT_TYPES are quantized: a 2-D weight in one of
   PLANE_COUNTS stays quantized as that many int4 planes (stages/quant_linear.py; `kept_bytes` is its size as
-  loaded), any other is dequantized at load with `gguf.quants.dequantize` to the compute dtype; other types are
-  refused.
+  loaded; Q6_K, groups of 16, only on a CPU stage, as bytes), any other is dequantized at load with
+  `gguf.quants.dequantize` to the compute dtype; other types are refused.
 - `llama` q/k rows are stored permuted by llama.cpp's converter (pairs interleaved for its rope); the stages
   un-permute them at load (`PERMUTED_ARCHS`). qwen2/qwen3 are stored as in the checkpoint.
 - dtype ("auto"): the embedding's float type; a quantized embedding means bfloat16 (QUANTIZED_AUTO_DTYPE).
@@ -55,7 +55,10 @@ HYBRID_ARCHS = ("qwen3next",)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # Formats kept quantized -> int4 planes per weight (stages/quant_linear.py's decomposition).
-PLANE_COUNTS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q8_0": 2}
+PLANE_COUNTS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q8_0": 2, "Q6_K": 2}
+# Weights per scale where not 32: Q6_K's 16-weight sub-blocks, which only a CPU stage's bytes multiply
+# (stages/byte_rows.py); another stage dequantizes Q6_K at load (torch's int4 kernels take groups of 32 and more).
+PLANE_GROUPS = {"Q6_K": 16}
 QUANTIZED_AUTO_DTYPE = "bfloat16"
 FINGERPRINT_SAMPLE_BYTES = 64
 
@@ -91,18 +94,22 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: bool = False,
                cpu: bool = False) -> int | None:
     """Bytes a weight of GGUF type `kind` takes kept quantized (stages/quant_linear.py), None when it is not kept:
-    per plane 4 bits per weight and per 32 weights a scale and a zero in the compute dtype (a QuantLinear), or
-    float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding); on a CPU stage (`cpu`)
-    two planes are held as bytes (`int4_bytes`). A CPU stage pads a packed weight's rows to a multiple of 64 (not
-    counted: a real model's row counts are multiples of 64)."""
+    per plane 4 bits per weight and per 32 weights (PLANE_GROUPS) a scale and a zero in the compute dtype (a
+    QuantLinear), or float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding); on a CPU
+    stage (`cpu`) two planes are held as bytes (`int4_bytes`), and only there a weight of groups of 16 (Q6_K). A CPU
+    stage pads a packed weight's rows to a multiple of 64 (not counted: a real model's row counts are multiples of
+    64)."""
     planes = PLANE_COUNTS.get(kind)
     if planes is None or len(shape) != 2:
         return None
     rows, cols = shape
-    groups = rows * cols // 32
+    group = PLANE_GROUPS.get(kind, 32)
+    groups = rows * cols // group
     if embedding:
         return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
-    return int4_bytes(planes, rows * cols, 32, dtype_bytes, cpu)
+    if group < 32 and not cpu:
+        return None
+    return int4_bytes(planes, rows * cols, group, dtype_bytes, cpu)
 
 
 def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int, cpu: bool = False) -> int:

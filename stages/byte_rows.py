@@ -9,9 +9,11 @@ rows"). Here two planes are joined back into bytes, q = lo + 16 hi, one plane ke
 reads them once per step, in any compute dtype.
 
 Rules:
-1. On a CPU stage, a Planes whose group is a multiple of 32 is packed as a `ByteLinear` (`quant_linear.pack`) when
-   the kernel is available and it has two planes, the high scale exactly 16 times the low one (`bits` 8: q uint8
-   [N, K], 1.25 bytes per value as the two planes took), or one plane and the compute dtype is float32 (`bits` 4:
+1. On a CPU stage, a Planes is packed as a `ByteLinear` (`quant_linear.pack`) when the kernel is available and it
+   has two planes, the high scale exactly 16 times the low one (`bits` 8: q uint8 [N, K], 1.25 bytes per value as
+   the two planes took; groups a multiple of 32, or 16: Q6_K's sub-blocks, 1.5 bytes per value where the
+   float32 weight it was dequantized to took 4), or one plane, groups a multiple of 32, and the compute dtype is
+   float32 (`bits` 4:
    nibble pairs [N, K / 2], 0.75 bytes per value as the plane took in float32). The scale s of the (low) plane and
    the offset b are float32 [N, K / group]. One plane in bfloat16 keeps torch's int4 kernel: its bfloat16 scale and
    zero hold the plane in 0.625 bytes per value, and it multiplies 1 to 16 rows 1.2-1.4x faster than this kernel
@@ -93,9 +95,10 @@ def unavailable_reason() -> str | None:
 
 
 def takes(planes, dtype: torch.dtype) -> bool:
-    """Rule 1's forms: a group that is a multiple of 32, and two planes whose high scale is exactly 16 times the low
-    one, or one plane in float32."""
-    if planes.group % 32 or planes.shape[1] % planes.group:
+    """Rule 1's forms: groups a multiple of 32 (or 16 with two planes) and K a multiple of 32; two planes whose high
+    scale is exactly 16 times the low one, or one plane in float32."""
+    sixteen = planes.group == 16 and len(planes.values) == 2
+    if planes.shape[1] % planes.group or planes.shape[1] % 32 or (planes.group % 32 and not sixteen):
         return False
     if len(planes.values) == 1:
         return dtype == torch.float32
@@ -152,12 +155,12 @@ def reference_q8(x: torch.Tensor, values: torch.Tensor, s: torch.Tensor, b: torc
     """Rule 7's product in float64: the quantized rows of x by the weight s * values + b (values uint8 [N, K]),
     exact up to the last rounding."""
     a, d = quantize_q8(x)
-    rows, blocks = d.shape
-    n = values.shape[0]
-    dots = torch.einsum("mbj,nbj->mnb", a.double(), values.double().view(n, blocks, 32))  # exact integers
-    per = group // 32
-    sd = s.double().repeat_interleave(per, 1).unsqueeze(0) * d.double().unsqueeze(1)  # [rows, N, blocks]
-    sums = (d.double() * a.double().sum(-1)).view(rows, -1, per).sum(-1)  # [rows, groups]
+    rows, n = d.shape[0], values.shape[0]
+    a16, d16 = a.double().view(rows, -1, 16), d.double().repeat_interleave(2, 1)  # by halves of blocks
+    dots = torch.einsum("mhj,nhj->mnh", a16, values.double().view(n, -1, 16))  # exact integers
+    per = group // 16
+    sd = s.double().repeat_interleave(per, 1).unsqueeze(0) * d16.unsqueeze(1)  # [rows, N, halves]
+    sums = (d16 * a16.sum(-1)).view(rows, -1, per).sum(-1)  # [rows, groups]
     y = (sd * dots).sum(-1) + sums @ b.double().t()
     return y if bias is None else y + bias.double()
 
@@ -291,7 +294,7 @@ def _self_check(fns: dict[str, object]) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (48, 320, 32, 8),
-                                  (64, 64, 32, 4), (37, 256, 128, 4), (130, 96, 32, 4), (48, 320, 32, 4)):
+                                  (40, 96, 16, 8), (64, 64, 32, 4), (37, 256, 128, 4), (130, 96, 32, 4), (48, 320, 32, 4)):
             v = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
             q = v if bits == 8 else nibbles(v)
             s = torch.rand(n, k // group, generator=g) * 0.01

@@ -8,8 +8,9 @@ checkpoint). `write_gguf(model_dir, out, qtype)` writes:
   tokens to the embedding's rows; bos/eos and the chat template (when the checkpoint has one);
 - every tensor under its llama.cpp name: llama q/k rows permuted as the converter's `LlamaModel.permute`; MoE
   experts stacked per layer; Qwen3-Next reshaped as the converter reshapes it (`_qwen3next_tensors`). Every
-  2-D weight that `stages.gguf_quantize.quantizable` allows is stored as `qtype`; the rest stays F32, as the
-  converter keeps norms, biases, routers and the conv.
+  2-D weight that `stages.gguf_quantize.quantizable` allows is stored as `qtype` (a mix, Q4_K_M: as
+  `stages.gguf_quantize.tensor_type` says per weight); the rest stays F32, as the converter keeps norms, biases,
+  routers and the conv.
 With `split_max_tensors`, the file is split as llama.cpp's gguf-split does (`NAME-00001-of-0000N.gguf`, the
 metadata in the first); the first file's path is returned.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.gguf_quantize import quantizable, quantize
+from stages.gguf_quantize import quantizable, quantize, tensor_type
 
 GGUF_ARCHS = {"Qwen3ForCausalLM": "QWEN3", "Qwen2ForCausalLM": "QWEN2", "LlamaForCausalLM": "LLAMA",
               "Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen3NextForCausalLM": "QWEN3NEXT"}
@@ -111,7 +112,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32", split
         w.add_rope_scaling_factor(rope["factor"])
         if "original_max_position_embeddings" in rope:
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_S"}.get(qtype, f"MOSTLY_{qtype}")
+    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_S"}.get(qtype, f"MOSTLY_{qtype}")  # Q4_K_M: MOSTLY_Q4_K_M
     w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     by_id = {i: t for t, i in tok["model"]["vocab"].items()}
@@ -155,9 +156,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32", split
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, heads if "q_proj" in name else kv_heads)
         t = np.ascontiguousarray(t)
-        if quantizable(name, t, qtype):
-            q = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(target, quantize(t, qtype), raw_dtype=q)
+        kind = tensor_type(target, qtype, n_layers, bool(cfg.get("tie_word_embeddings")))
+        if quantizable(name, t, kind):
+            w.add_tensor(target, quantize(t, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(target, t)
     w.write_header_to_file()

@@ -7,8 +7,9 @@ A GGUF weight `[N, K]` stores its blocks along each row. Every format here is, p
 Q4_0 (v = q, b = -8d), Q4_1 (b = m) and Q4_K (s = d * sc, b = -dmin * m per 32-weight sub-block) have one plane;
 Q5_0, Q5_1, Q5_K (q = lo + 16 hi) and Q8_0 (q + 128 = lo + 16 hi) have two. Per plane that is exactly torch's
 groupwise int4 form `(v - 8) * scale + zero` (group 32): scale_p = c_p * s, zero_p = 8 * scale_p, plus b on one
-plane, and the planes' products are summed. A format with 16-weight sub-blocks (Q6_K) has no such form:
-`planes_from_gguf` answers None and it is dequantized at load (`strata config check` says so).
+plane, and the planes' products are summed. Q6_K has the form with 16-weight sub-blocks (group 16: s = d * sc,
+q = lo + 16 hi, hi 2 bits, b = -32 s), which torch's int4 kernels do not take: only a CPU stage's bytes
+(stages/byte_rows.py) keep it; elsewhere `pack` dequantizes it at load (`strata config check` counts it so).
 
 `Planes` is the decomposition, unpacked (uint8 values, float32 scales): rows are concatenated (fused qkv,
 gate_up) and permuted (llama's q/k rows) before packing. `pack(planes, dtype, device)` makes a `QuantLinear`:
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pool.computable import keeps_int4, native_16bit
-from pool.gguf_meta import PLANE_COUNTS
+from pool.gguf_meta import PLANE_COUNTS, PLANE_GROUPS
 from stages import byte_rows, packed_linear
 
 GROUP = 32
@@ -147,6 +148,12 @@ def _blocks_to_planes(kind: str, b: np.ndarray) -> tuple[list[np.ndarray], list[
             return [_k_low(b[:, 16:144])], [1.0], scale, base
         qh = _bits(b[:, 16:48], 256).reshape(-1, 32, 8)  # [blocks, l, bit j]: weight l of sub-block j
         return [_k_low(b[:, 48:176]), qh.transpose(0, 2, 1).reshape(-1, 256)], [1.0, 16.0], scale, base
+    if kind == "Q6_K":  # ql[128], qh[64], int8 scales[16], f16 d; per 128 weights ql 64 bytes, qh 32
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+        lo = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 256)  # weights 0-63 low nibbles, 64-127 high
+        hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3  # weight 32 j + l: bits 2j of qh[l]
+        scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+        return [lo, hi.reshape(-1, 256)], [1.0, 16.0], scale, -32.0 * scale
     raise ValueError(f"GGUF type {kind} has no int4-plane form")
 
 
@@ -163,11 +170,12 @@ def planes_from_gguf(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Pla
         return None
     b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)
     values, mults, scale, base = _blocks_to_planes(kind, b)
-    groups = k // GROUP
+    group = PLANE_GROUPS.get(kind, GROUP)
+    groups = k // group
     scale = torch.from_numpy(np.ascontiguousarray(scale, np.float32)).reshape(n, groups)
     offset = torch.from_numpy(np.ascontiguousarray(base, np.float32)).reshape(n, groups)
     return Planes([torch.from_numpy(np.ascontiguousarray(v)).reshape(n, k) for v in values],
-                  [scale * c for c in mults], offset, kind)
+                  [scale * c for c in mults], offset, kind, group)
 
 
 # --- packed weights ---
@@ -330,7 +338,7 @@ def fuse_rows(parts: Sequence[torch.Tensor | Planes]) -> torch.Tensor | Planes |
     runs of float tensors too; a RowStack when more than one run remains."""
     runs: list[list] = []
     for p in parts:
-        key = len(p.values) if isinstance(p, Planes) else 0
+        key = (len(p.values), p.group) if isinstance(p, Planes) else 0
         if runs and runs[-1][0] == key:
             runs[-1][1].append(p)
         else:
@@ -366,6 +374,8 @@ def pack(planes: Planes | RowStack, dtype: torch.dtype, device: torch.device | s
         return planes.dequantize().to(device, dtype)
     if device.type == "cpu" and byte_rows.takes(planes, dtype) and byte_rows.available():
         return byte_rows.ByteLinear(planes, dtype)  # bytes or nibble pairs (stages/byte_rows.py rule 1)
+    if planes.group % GROUP:  # Q6_K's groups of 16: torch's int4 kernels take groups of 32 and more
+        return planes.dequantize().to(device, dtype)
     return QuantLinear(planes, dtype, device)
 
 

@@ -224,9 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--repeats", type=int, default=3, help="each wall time is the best of this many runs")
     peers.add_argument("--peers", type=peer_list, default=["strata-1", "strata-2", "transformers", "llama.cpp"])
     peers.add_argument("--model-dir", default=None, help="reuse this checkpoint instead of building one")
-    peers.add_argument("--quant", default="F32", choices=["F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"],
+    peers.add_argument("--quant", default="F32", choices=["F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
+                                                        "Q6_K", "Q4_K_M"],
                        help="serve the checkpoint as a GGUF file with its 2-D weights in this type (Strata and "
-                            "llama.cpp on the same file)")
+                            "llama.cpp on the same file; Q4_K_M: Q4_K, and Q6_K where llama.cpp's Q4_K_M has it)")
     peers.add_argument("--gguf", default=None, help="a GGUF file to serve (Strata vs llama.cpp; no transformers)")
     peers.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="Strata's engine.dtype (auto: the checkpoint's; a quantized GGUF's bfloat16, or "

@@ -134,13 +134,18 @@ def test_config_check_figures_of_gguf_files(tiny_model_factory, tmp_path, monkey
     assert "weights from GGUF header" in format_report(auto)
 
 
-@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False)])
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False), ("Q4_K_M", False),
+                                        ("Q4_K_M", True)])
 def test_config_check_weights_are_the_loaded_stages(tiny_model_factory, tmp_path, qtype: str, tied: bool) -> None:
     """The oracle is the stage itself: StageModel.weight_bytes() of each stage's layers, kept quantized, in
-    float32 and bfloat16 (every row count a multiple of the CPU packer's 64-row block)."""
+    float32 and bfloat16 (every row count a multiple of the CPU packer's 64-row block). Q4_K_M's Q6_K weights
+    (groups of 16) are bytes on CPU stages, the output and a tied embedding among them."""
     hf = tiny_model_factory("llama", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=640,
                             tie_embeddings=tied)
-    checks_as_loaded(write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype))
+    reports = checks_as_loaded(write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype))
+    if qtype == "Q4_K_M":
+        assert GGUFModel(tmp_path / f"{qtype}.gguf").quantized_types()["Q6_K"] == 1 + 2 * 2  # output; v, down of layers 2, 3
+        assert all(any("Q6_K as bytes" in n for n in r.notes) for r in reports)
 
 
 def checks_as_loaded(path) -> list:

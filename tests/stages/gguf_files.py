@@ -8,12 +8,13 @@ bytes.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from stages.gguf_quantize import quantizable, quantize
+from stages.gguf_quantize import quantizable, quantize, tensor_type
 from stages.gguf_write import float_weights, write_gguf  # noqa: F401  (write_gguf: the tests' writer)
 
 
@@ -32,7 +33,10 @@ def write_dequantized_checkpoint(model_dir: str | Path, qtype: str, out: str | P
     for f in model_dir.iterdir():
         if f.is_file() and not f.name.startswith("model"):
             shutil.copy(f, out / f.name)
-    weights = {k: np.ascontiguousarray(_roundtrip(v, qtype) if quantizable(k, v, qtype) else v)
-               for k, v in float_weights(model_dir).items()}
+    cfg = json.loads((model_dir / "config.json").read_text())
+    weights = float_weights(model_dir)
+    for k, v in weights.items():
+        kind = tensor_type(k, qtype, cfg["num_hidden_layers"], bool(cfg.get("tie_word_embeddings")))
+        weights[k] = np.ascontiguousarray(_roundtrip(v, kind) if quantizable(k, v, kind) else v)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

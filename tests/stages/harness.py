@@ -103,5 +103,8 @@ def gguf_blocks(kind: str, n: int, k: int, seed: int = 0):
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
     block, size = gguf.GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
-    raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    if kind == "Q6_K":  # ql, qh, int8 scales, then d
+        raw[:, 208:210] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    else:
+        raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)  # d, dmin
     return raw.reshape(n, -1)

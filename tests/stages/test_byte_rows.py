@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(not byte_rows.available(), reason=f"no byte-rows kernel here: "
                                   f"{byte_rows.unavailable_reason()}")
 N, K = 100, 512  # 100 rows: the threads' shares are not equal
-TWO_PLANES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K"]
+TWO_PLANES = ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"]  # Q6_K: groups of 16
 ONE_PLANE = ["Q4_0", "Q4_1", "Q4_K"]
 
 
@@ -55,7 +55,8 @@ def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
     bias = torch.randn(N)
     want = F.linear(x.double(), w.double(), bias.double())
     q32 = pack(planes, torch.float32, "cpu")
-    assert isinstance(q32, ByteLinear) and q32.nbytes == N * K * 5 // 4  # a byte per value, 2 floats per 32
+    assert isinstance(q32, ByteLinear) and q32.nbytes == N * K + 8 * N * K // planes.group  # a byte per value, 2
+    # floats per group
     got = q32(x, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, N)
     torch.testing.assert_close(got.double(), want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)  # float32 rounding
@@ -151,11 +152,11 @@ def test_one_plane_in_float32_is_held_as_nibble_pairs(kind: str, rows: int) -> N
 def test_the_dequantized_weight_is_one_rounding_of_the_exact_one() -> None:
     """Rule 3: a prefill piece's weight, s * q + b rounded once to float32, and from there to bfloat16 to nearest
     even (the values of torch's own conversion), for bytes and nibble pairs."""
-    for kind in ("Q8_0", "Q5_K", "Q4_K"):
+    for kind in ("Q8_0", "Q5_K", "Q4_K", "Q6_K"):
         planes, _ = weights(kind)
-        exact = planes.scales[0].double().repeat_interleave(32, 1) * byte_rows.unpack(
+        exact = planes.scales[0].double().repeat_interleave(planes.group, 1) * byte_rows.unpack(
             ByteLinear(planes, torch.float32).q, 8 if len(planes.values) == 2 else 4, K).double()
-        exact = exact + planes.offset.double().repeat_interleave(32, 1)
+        exact = exact + planes.offset.double().repeat_interleave(planes.group, 1)
         assert torch.equal(ByteLinear(planes, torch.float32).dequantize(), exact.float()), kind
         assert torch.equal(ByteLinear(planes, torch.bfloat16).dequantize(), exact.float().bfloat16()), kind
 
@@ -219,7 +220,7 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
 
 
 @pytest.mark.parametrize("edit", [  # (the AVX-512 source's edit, the AVX2 one's)
-    (("off[m] = fmaf(bn[g], sums[m * groups + g], off[m]);", "off[m] += 0.0f;"),) * 2,  # the offsets forgotten
+    (("off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);", "off[m] += 0.0f;"),) * 2,  # the offsets forgotten
     (("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
      ("_mm256_set1_ps(sn[g])", "_mm256_set1_ps(sn[0])")),
     (("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
@@ -232,8 +233,14 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
     (("nearbyintf(xb[j] * id)", "truncf(xb[j] * id)"),) * 2,  # 8-bit rows rounded toward zero
     (("{0, 0, 0, 0, 1, 1, 1, 1}, {2", "{0, 0, 0, 0, 0, 0, 0, 0}, {2"),) * 2,  # a pair of nibble blocks, one scale
     (("_mm256_set1_ps(128.0f)", "_mm256_set1_ps(127.0f)"),) * 2,  # bytes' offsets, 8 groups a step
+    # groups of 16 (Q6_K): a block's last 16 values scaled by its first 16's scale, in each of the three functions;
+    # the 8-bit rows' sum of a block's last 16 values taken from its first 16
+    (("w1 = _mm512_mul_ps(w1, sb)", "w1 = _mm512_mul_ps(w1, sa)"), ("v < 2 ? sa : sb", "sa")),
+    (("sn[gh[2 * blk + 1]]", "sn[gh[2 * blk]]"),) * 2,
+    (("_mm512_set1_ps(sh), v1", "_mm512_set1_ps(sg), v1"), ("j < 2 ? sg : sh", "sg")),
+    (("2 * blk + 1] = d * (float)sum[1]", "2 * blk + 1] = d * (float)sum[0]"),) * 2,
 ], ids=["offsets", "scales", "nibbles", "bfloat16", "rows", "int8-pairs", "int8-round", "int8-pick",
-        "int8-offsets"])
+        "int8-offsets", "sixteen", "sixteen-int8", "sixteen-dequant", "sixteen-int8-offsets"])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
     """Rule 5: the first-use check against float64 F.linear and torch's dequantized weight; a source wrong in one
     place fails it, and the planes keep stages/quant_linear.py's packing."""

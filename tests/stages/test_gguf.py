@@ -20,7 +20,7 @@ from stages.kv_cache import KVCache
 from stages.model import StageModel
 from stages import byte_rows
 from stages.byte_rows import ByteLinear
-from stages.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
+from stages.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear, RowStack
 from tests.stages.gguf_files import write_dequantized_checkpoint, write_gguf
 from tests.stages.harness import Local, make_cfg
 
@@ -39,7 +39,7 @@ def files(tiny_model_factory, tmp_path_factory):
     built: dict = {}
 
     def get(arch: str, qtype: str = "F32", shape: dict | None = None) -> tuple[Path, Path]:
-        shape = shape or (SHAPE_K if qtype.endswith("_K") else SHAPE)
+        shape = shape or (SHAPE_K if "_K" in qtype else SHAPE)
         key = (arch, qtype, shape["hidden"])
         if key not in built:
             hf = tiny_model_factory(arch, **shape)
@@ -240,6 +240,38 @@ def test_int8_activations_of_a_served_float32_stage(files, tmp_path, int8: bool)
     finally:
         local.close()
     assert got == solo
+
+
+def test_q4_k_m_keeps_q6_k_as_bytes_and_decodes_as_transformers(files, tmp_path) -> None:
+    """A Q4_K_M file (Q6_K for the output and for attn_v and ffn_down of some layers, Q4_K elsewhere): on a float32
+    CPU stage its Q6_K weights are bytes in groups of 16 (stages/byte_rows.py rule 1), the fused qkv of a layer with
+    a Q6_K attn_v a RowStack; the prefill's logits (dequantize + GEMM) and the greedy tokens of decode steps (the
+    byte-rows kernel) are transformers' on the dequantized weights, on one stage and on two."""
+    from transformers import AutoModelForCausalLM
+
+    path, hf = files("qwen3", "Q4_K_M")
+    ckpt = load_checkpoint(path)
+    assert {t.type for t in ckpt.meta.tensors.values()} == {"F32", "Q4_K", "Q6_K"}
+    if byte_rows.available():
+        model = StageModel(ckpt, 0, ckpt.num_layers, "cpu", torch.float32)
+        last = model.layers[-1]  # the last eighth of the layers: Q6_K attn_v and ffn_down
+        assert isinstance(last["mlp.down_proj.weight"], ByteLinear) and last["mlp.down_proj.weight"].group == 16
+        assert isinstance(last["qkv.weight"], RowStack) and last["qkv.weight"].parts[-1].group == 16
+        assert isinstance(model.lm_head, ByteLinear) and model.lm_head.group == 16
+        assert model.layers[0]["mlp.down_proj.weight"].group == 32  # Q4_K
+        del model
+    torch.testing.assert_close(stage_logits(path, []), hf_logits(hf), atol=1e-4, rtol=0)
+    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    want = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(6):
+            want.append(int(ref(torch.tensor([want])).logits[0, -1].argmax()))
+    for i, ranges in enumerate(([[0, 2]], [[0, 1], [1, 2]])):
+        local = Local(make_cfg(path, ranges, dtype="float32", int8_activations=False), tmp_path, tag=f"m{i}")
+        try:
+            assert local.generate(0, PROMPT, 5) == want[len(PROMPT):], ranges  # the first token, then 5 steps
+        finally:
+            local.close()
 
 
 def test_k_quant_tensor_dequantizes_as_gguf_does(files, tmp_path) -> None:

@@ -16,6 +16,7 @@ from stages import byte_rows
 from stages.byte_rows import ByteLinear
 from stages.quant_linear import (KERNEL_MAX_ROWS, PLANE_FORMATS, QuantEmbedding, QuantLinear, RowStack,
                                  cpu_layout_ok, fuse_rows, linear, pack, planes_from_gguf)
+from pool.gguf_meta import kept_bytes
 from tests.stages.harness import gguf_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -45,10 +46,28 @@ def test_planes_are_gguf_dequantization(kind: str) -> None:
 
 
 def test_formats_without_planes_are_none() -> None:
-    assert planes_from_gguf("Q6_K", blocks("Q6_K"), (N, K)) is None
+    assert planes_from_gguf("Q3_K", blocks("Q3_K"), (N, K)) is None
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q8_0"])
+def test_q6_k_is_kept_only_as_bytes(monkeypatch) -> None:
+    """Q6_K's groups of 16 (two planes, the high one 2 bits): bytes on a CPU stage with the byte-rows kernel (1.5
+    bytes per value, as pool/gguf_meta.kept_bytes counts it), else dequantized at load (torch's int4 kernels take
+    groups of 32 and more), the same weight either way."""
+    raw = blocks("Q6_K")
+    planes = planes_from_gguf("Q6_K", raw, (N, K))
+    assert planes.group == 16 and int(planes.values[1].max()) == 3
+    assert kept_bytes("Q6_K", (N, K), 4, cpu=True) == N * K * 3 // 2 and kept_bytes("Q6_K", (N, K), 2) is None
+    if byte_rows.available():
+        held = pack(planes, torch.float32, "cpu")
+        assert isinstance(held, ByteLinear) and held.nbytes == kept_bytes("Q6_K", (N, K), 4, cpu=True)
+    monkeypatch.setattr(byte_rows, "available", lambda: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = pack(planes, dtype, "cpu")
+        assert isinstance(plain, torch.Tensor) and plain.dtype == dtype
+        assert torch.equal(plain, dequantized("Q6_K", raw).to(dtype))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 80])
 def test_quant_linear_matches_dequantized_weights(kind: str, rows: int) -> None:
     raw = blocks(kind)
@@ -90,22 +109,28 @@ def test_memory_of_one_and_two_plane_formats() -> None:
     assert two.nbytes == 2 * one.nbytes
 
 
-def test_fused_rows_of_mixed_formats() -> None:
-    """q and k in Q4_K, v stored as floats (a Q6_K tensor is dequantized at load): one RowStack."""
+@pytest.mark.parametrize("third", ["floats", "Q6_K", "Q5_K"])
+def test_fused_rows_of_mixed_formats(third: str) -> None:
+    """q and k in Q4_K, v stored as floats, in Q6_K (as a Q4_K_M file keeps some attn_v) or in Q5_K (two planes,
+    groups of 32, where Q6_K's are 16: not fused with it either): one RowStack, its product the dequantized one."""
     q = planes_from_gguf("Q4_K", blocks("Q4_K", seed=1), (N, K))
     k = planes_from_gguf("Q4_K", blocks("Q4_K", seed=2), (N, K))
-    v = torch.randn(32, K)
-    fused = fuse_rows([q, k, v])
-    assert isinstance(fused, RowStack) and fused.shape == (2 * N + 32, K)
+    v = torch.randn(32, K) if third == "floats" else planes_from_gguf(third, blocks(third, seed=3), (N, K))
+    parts = [q, k, v] if third != "Q5_K" else [q, k, planes_from_gguf("Q6_K", blocks("Q6_K", seed=4), (N, K)), v]
+    fused = fuse_rows(parts)
+    assert isinstance(fused, RowStack) and len(fused.parts) == len(parts) - 1
+    assert fused.shape == (sum(p.shape[0] for p in parts), K)
     packed = pack(fused, torch.float32, "cpu")
     held = ByteLinear if byte_rows.available() else QuantLinear  # one plane in float32 (stages/byte_rows.py rule 1)
     assert isinstance(packed.parts[0], held) and packed.parts[0].shape == (2 * N, K)
     x = torch.randn(5, K)
-    want = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v]))
-    torch.testing.assert_close(linear(x, packed), want, atol=1e-4, rtol=1e-5)
+    w = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+    want = F.linear(x.double(), w.double())
+    # float32 rounding of outputs up to ~1,000 (the k-quants' random scales); a wrong weight misses by whole units
+    torch.testing.assert_close(linear(x, packed).double(), want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "Q6_K"])
 def test_embedding_lookup_is_exact(kind: str) -> None:
     raw = blocks(kind)
     table = QuantEmbedding(planes_from_gguf(kind, raw, (N, K)), torch.float32, "cpu")
