@@ -6,6 +6,7 @@
 
        h = rms_norm(x) * in_norm
        qkv = h W_qkv (+ b)                      q and k heads normed (q_norm, k_norm) and rotated in place
+                                                (W_qkv in one form, or its rows in two: qkv, then qkv_rest)
        K/V rows of each row's cell <- its k and v heads
        attn = decode attention of the q heads through the tables
        s = x + attn W_o (+ b),  h = rms_norm(s) * post_norm
@@ -48,9 +49,27 @@ static int product(const strata_weight *w, const float *x, int64_t rows, float *
     return -1;
 }
 
+/* y [rows, a.n + b.n] = x times the rows of a, then those of b (b.n 0: a alone), each product into `stage`
+   [rows, a.n + b.n] first and its rows then copied into place. */
+static int product_parts(const strata_weight *a, const strata_weight *b, const float *x, int64_t rows, float *y,
+                         float *stage, int threads) {
+    if (!b->n) return product(a, x, rows, y, threads);
+    const int64_t n = a->n + b->n;
+    int rc;
+    if ((rc = product(a, x, rows, stage, threads)) != 0 || (rc = product(b, x, rows, stage + rows * a->n, threads)))
+        return rc;
+    for (int64_t t = 0; t < rows; t++) {
+        memcpy(y + t * n, stage + t * a->n, sizeof(float) * a->n);
+        memcpy(y + t * n + a->n, stage + rows * a->n + t * b->n, sizeof(float) * b->n);
+    }
+    return 0;
+}
+
 typedef struct { /* what stays the same for a layer */
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL: no q/k norm */
     strata_weight qkv, o, gate_up, down;
+    strata_weight qkv_rest; /* n 0: none; else the fused qkv's last rows, held in another form than its first qkv.n
+                               (a Q4_K_M layer's Q6_K v rows after its Q4_K q and k: stages/quant_linear.py RowStack) */
 } strata_layer;
 
 typedef struct { /* what stays the same over a step's layers */
@@ -90,33 +109,35 @@ static void put_row(const float *src, void *pool, float *scales, int64_t cell, i
     }
 }
 
+/* qkv_n: the fused qkv's rows, both parts (qkv.n + qkv_rest.n). */
 int64_t strata_decode_layer_scratch(int64_t rows, int64_t hidden, int64_t qkv_n, int64_t q_width, int64_t gate_up_n) {
-    return rows * (2 * hidden + qkv_n + 2 * q_width + gate_up_n + gate_up_n / 2);
+    return rows * (2 * hidden + 2 * qkv_n + 2 * q_width + gate_up_n + gate_up_n / 2);
 }
 
 int strata_decode_layer(const strata_layer *L, const strata_step *S, void *k_pool, void *v_pool, float *k_scale,
                         float *v_scale, const float *x, float *out) {
     const int64_t rows = S->rows, hidden = S->hidden, hd = S->head_dim;
     const int64_t q_width = (int64_t)S->heads * hd, kv_width = (int64_t)S->kv_heads * hd;
-    const int64_t inter = L->gate_up.n / 2;
+    const int64_t inter = L->gate_up.n / 2, qkv_n = L->qkv.n + L->qkv_rest.n;
     if (rows < 1 || rows > MAX_ROWS || S->kv_heads < 1 || S->heads % S->kv_heads || L->qkv.k != hidden ||
-        L->qkv.n < q_width + 2 * kv_width || L->o.k != q_width || L->o.n != hidden || L->gate_up.k != hidden ||
-        L->gate_up.n % 2 || L->down.k != inter || L->down.n != hidden ||
-        S->scratch_floats < strata_decode_layer_scratch(rows, hidden, L->qkv.n, q_width, L->gate_up.n) ||
+        (L->qkv_rest.n && L->qkv_rest.k != hidden) || qkv_n < q_width + 2 * kv_width || L->o.k != q_width ||
+        L->o.n != hidden || L->gate_up.k != hidden || L->gate_up.n % 2 || L->down.k != inter || L->down.n != hidden ||
+        S->scratch_floats < strata_decode_layer_scratch(rows, hidden, qkv_n, q_width, L->gate_up.n) ||
         (!k_scale) != (!v_scale) || (k_scale && kv_width > MAX_ROW))
         return -1;
-    float *h = S->scratch, *mixed = h + rows * hidden, *qkv = mixed + rows * hidden, *q = qkv + rows * L->qkv.n;
+    float *h = S->scratch, *mixed = h + rows * hidden, *qkv = mixed + rows * hidden, *q = qkv + rows * qkv_n;
     float *attn = q + rows * q_width, *gate_up = attn + rows * q_width, *mlp = gate_up + rows * L->gate_up.n;
+    float *stage = mlp + rows * inter; /* [rows, qkv_n]: the parts of a qkv of two forms */
     const int threads = S->threads;
     int rc;
 #define TRY(call)                                                                                                 \
     if ((rc = (call)) != 0) return rc
     TRY(strata_rms_norm(x, NULL, NULL, L->in_norm, h, rows, (int)hidden, S->eps, threads));
-    TRY(product(&L->qkv, h, rows, qkv, threads));
-    TRY(strata_qk_norm_rope(qkv, L->qkv.n, rows, S->heads, S->kv_heads, (int)hd, L->q_norm, L->k_norm, S->eps, S->cos,
+    TRY(product_parts(&L->qkv, &L->qkv_rest, h, rows, qkv, stage, threads));
+    TRY(strata_qk_norm_rope(qkv, qkv_n, rows, S->heads, S->kv_heads, (int)hd, L->q_norm, L->k_norm, S->eps, S->cos,
                             S->sin, threads));
     for (int64_t t = 0; t < rows; t++) {
-        const float *row = qkv + t * L->qkv.n;
+        const float *row = qkv + t * qkv_n;
         memcpy(q + t * q_width, row, sizeof(float) * q_width);
         put_row(row + q_width, k_pool, k_scale, S->cells[t], S->kv_heads, (int)hd);
         put_row(row + q_width + kv_width, v_pool, v_scale, S->cells[t], S->kv_heads, (int)hd);

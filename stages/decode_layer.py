@@ -13,7 +13,8 @@ Rules:
    in float32 reading the pool itself (`KVCache` with float32 or int8 K/V, not the device window's view), and
    only for a dense attention layer (no linear attention, no routed experts, no output gate) whose four products
    are each read from packed panels (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a
-   quantized GGUF model in float32) and whose norms are float32. Every other step and layer runs the Python path
+   quantized GGUF model in float32), the fused qkv's rows in one such form or in two (a RowStack of two parts: a
+   Q4_K_M layer's Q6_K v rows after its Q4_K q and k), and whose norms are float32. Every other step and layer runs the Python path
    of stages/model.py, unchanged; a step may mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
    products (of 8-bit rows where the weight says so: stages/byte_rows.py rule 7) and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library),
@@ -48,7 +49,7 @@ from stages.byte_rows import ByteLinear
 from stages.cpu_build import KernelRefused
 from stages.kv_cache import KVCache
 from stages.packed_linear import PackedLinear
-from stages.quant_linear import Planes
+from stages.quant_linear import Planes, RowStack
 
 log = logging.getLogger("strata.stage")
 
@@ -64,7 +65,7 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight)]
+                ("gate_up", _Weight), ("down", _Weight), ("qkv_rest", _Weight)]
 
 
 class _Step(ctypes.Structure):
@@ -122,6 +123,18 @@ def _f32(t: object, shape: tuple[int, ...]) -> bool:
             and tuple(t.shape) == shape and t.is_contiguous())
 
 
+def _weight(weight: object) -> tuple[_Weight, list[torch.Tensor]] | None:
+    """A weight's struct and the tensors it points into, for the forms rule 1 names; None for any other."""
+    if isinstance(weight, PackedLinear) and weight.panels is not None:
+        p = weight.panels
+        return _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
+    if isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
+        (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
+        return _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits,
+                       int(weight.int8_activations)), arrays
+    return None
+
+
 class Layer:
     """Rule 3: one layer's fixed arguments, or `Layer.of` gives None where rule 1 keeps the Python path."""
 
@@ -136,21 +149,23 @@ class Layer:
         weights, keep, max_rows = {}, [], packed_rows.MAX_ROWS
         for field, name in _WEIGHTS:
             weight, bias = w.get(name + ".weight"), w.get(name + ".bias")
-            if isinstance(weight, PackedLinear) and weight.panels is not None:
-                p = weight.panels
-                n, struct, arrays = p.n, _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
-            elif isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
-                (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
-                struct = _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits,
-                                 int(weight.int8_activations))
-                max_rows = min(max_rows, byte_rows.MAX_ROWS)
-            else:
+            # a fused qkv whose rows are held in two forms (a Q4_K_M layer's Q6_K v): two products in the call
+            parts = weight.parts if isinstance(weight, RowStack) and field == "qkv" else [weight]
+            forms = [_weight(p) for p in parts]
+            if len(forms) > 2 or None in forms:
                 return None
+            n = sum(struct.n for struct, _ in forms)
             if bias is not None and not _f32(bias, (n,)):
                 return None
-            struct.bias = None if bias is None else bias.data_ptr()
-            weights[field] = struct
-            keep += arrays + ([bias] if bias is not None else [])
+            at = 0
+            for i, (struct, arrays) in enumerate(forms):
+                struct.bias = None if bias is None else bias[at:].data_ptr()
+                weights[field if i == 0 else field + "_rest"] = struct
+                keep += arrays
+                at += struct.n
+                if struct.bytes:
+                    max_rows = min(max_rows, byte_rows.MAX_ROWS)
+            keep += [bias] if bias is not None else []
         norms = [w.get(n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                                     "self_attn.q_norm.weight", "self_attn.k_norm.weight")]
         if not (_f32(norms[0], (hidden,)) and _f32(norms[1], (hidden,))):
@@ -191,12 +206,12 @@ class Step:
 
     def _struct(self, layer: Layer, window: int | None) -> _Step:
         kv, s = self.kv, layer.struct
-        key = (window, s.qkv.n, s.gate_up.n)
+        key = (window, s.qkv.n + s.qkv_rest.n, s.gate_up.n)
         if key not in self._structs:
             plan = cpu_attention.plan(self.batch, kv, 0, window)  # paged_decode's own (rule 2)
             work, (tables, stride, slots, lens, lo, *_), (part, part_first, _) = plan.fixed(kv, self.heads,
                                                                                            kv.head_dim)
-            floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, s.qkv.n, self.heads * kv.head_dim,
+            floats = self.fns["strata_decode_layer_scratch"](self.rows, self.hidden, key[1], self.heads * kv.head_dim,
                                                              s.gate_up.n)
             scratch = torch.empty(floats, dtype=torch.float32)
             struct = _Step(self.rows, self.hidden, self.heads, kv.kv_heads, kv.head_dim, self.threads, self.eps,
@@ -290,6 +305,16 @@ def _self_check(fns: dict[str, object]) -> None:
     if not (torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4) and torch.allclose(written, k, atol=1e-5)):
         raise KernelRefused(f"strata_decode_layer disagrees with torch by "
                             f"{(got.double() - want).abs().max().item():.2e}")
+    # The same layer with its qkv rows in two parts (rule 1: the v rows apart), the same values to float rounding.
+    v_at = (heads + kv_heads) * hd
+    split = Layer.of({**w, "qkv.weight": RowStack([PackedLinear(plain["qkv"][:v_at].contiguous()),
+                                                   PackedLinear(plain["qkv"][v_at:].contiguous())])}, hidden, hd)
+    if split is None or split.struct.qkv_rest.n != kv_heads * hd:
+        raise KernelRefused("the check's layer of two qkv parts is not read in the call here")
+    parts = step.run(split, 0, None, x)
+    if not torch.allclose(parts.double(), want, rtol=1e-4, atol=1e-4):
+        raise KernelRefused(f"strata_decode_layer with qkv in two parts disagrees with torch by "
+                            f"{(parts.double() - want).abs().max().item():.2e}")
     # The same step on an int8 pool holding the old rows quantized: its new rows and scales are quantize_int8 of
     # the float32 rows just written, and its output is the float one's to int8's precision (within 5% of the largest
     # value: wrong scales or rows miss by far more).

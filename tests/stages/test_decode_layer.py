@@ -13,6 +13,7 @@ from stages.checkpoint import load_checkpoint
 from stages.kv_cache import KVCache
 from stages.gguf_write import write_gguf
 from stages.model import StageModel
+from stages.quant_linear import RowStack
 from stages.tiny import make_tiny_model
 from tests.stages.harness import use_wrong_source
 
@@ -100,6 +101,24 @@ def test_a_quantized_gguf_model_in_float32_runs_its_byte_rows_in_the_call(tmp_pa
     assert all(isinstance(model.layers[0][f"{n}.weight"], ByteLinear) and model.layers[0][f"{n}.weight"].bits == bits
                and model.layers[0][f"{n}.weight"].int8_activations == int8 for n in names)
     assert all(layer is not None for layer in model.decode_layers())
+    _same_steps(ckpt, monkeypatch, torch.float32, int8)
+
+
+@needs_layer
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_q4_k_m_layer_runs_its_two_forms_of_qkv_in_the_call(tmp_path, monkeypatch, int8):
+    """Rule 1's qkv of two forms: a Q4_K_M file's last layer keeps its v rows in Q6_K (bytes in groups of 16) after
+    q and k in Q4_K (nibble pairs); every layer still runs in the call, bit for bit the Python path's."""
+    if not byte_rows.available():
+        pytest.skip(f"no byte-rows kernel here: {byte_rows.unavailable_reason()}")
+    src = make_tiny_model(tmp_path / "m", arch="qwen3", layers=3, hidden=256, heads=4, kv_heads=2, intermediate=512)
+    ckpt = load_checkpoint(write_gguf(src, tmp_path / "m.gguf", "Q4_K_M"))
+    model = StageModel(ckpt, 0, 3, dtype=torch.float32, int8_activations=int8)
+    qkv = model.layers[2]["qkv.weight"]
+    assert isinstance(qkv, RowStack) and [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 16)]
+    assert all(p.int8_activations == int8 for p in qkv.parts)
+    layers = model.decode_layers()
+    assert all(layer is not None for layer in layers) and layers[2].struct.qkv_rest.n == 2 * 64
     _same_steps(ckpt, monkeypatch, torch.float32, int8)
 
 
@@ -199,7 +218,8 @@ def test_outside_rule_1_the_python_path_runs(tmp_path, monkeypatch):
                                   ("put_row(row + q_width + kv_width, v_pool", "put_row(row + q_width, v_pool"),
                                   ("L->q_norm, L->k_norm, S->eps", "NULL, NULL, S->eps"),
                                   ("nearbyintf(x[i] / by)", "truncf(x[i] / by)"),
-                                  ("w->bits, w->scale, w->offset", "w->bits, w->offset, w->scale")])
+                                  ("w->bits, w->scale, w->offset", "w->bits, w->offset, w->scale"),
+                                  ("stage + rows * a->n + t * b->n", "stage + t * b->n")])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit):
     """Rule 4: the first-use check against float64 torch; a source wrong in any one place fails it."""
     use_wrong_source(decode_layer, edit, tmp_path, fresh_library)
