@@ -229,8 +229,9 @@ def _gguf_model(cfg: Config, notes: list[str]) -> tuple[dict, str, list[tuple[st
             continue
         kept[t.type] = kept.get(t.type, 0) + 1
         tensors.append((name, packed, t.numel, False))
-        if embedding and m.config.get("tie_word_embeddings"):  # the last stage multiplies by it: a QuantLinear
-            tensors.append(("lm_head.weight", kept_bytes(t.type, t.shape, size, cpu=cpu) or 0, t.numel, False))
+        if embedding and m.config.get("tie_word_embeddings"):  # the last stage multiplies by it: a QuantLinear,
+            head = kept_bytes(t.type, t.shape, size, cpu=cpu)  # or (Q6_K off a CPU stage) the table dequantized
+            tensors.append(("lm_head.weight", t.numel * size if head is None else head, t.numel, head is None))
     quantized = m.quantized_types()
     if quantized:
         kinds = ", ".join(f"{n} tensors as {kind}" for kind, n in sorted(quantized.items()))

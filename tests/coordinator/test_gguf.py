@@ -148,6 +148,25 @@ def test_config_check_weights_are_the_loaded_stages(tiny_model_factory, tmp_path
         assert all(any("Q6_K as bytes" in n for n in r.notes) for r in reports)
 
 
+def test_a_tied_q6_k_table_off_cpu_stages_counts_its_head_dequantized(tiny_model_factory, tmp_path) -> None:
+    """A tied Q6_K table (a Q4_K_M file without output.weight): the embedding stays planes on any device; the head is
+    bytes on a box of CPU stages, and dequantized (the compute dtype's size) where a CUDA stage is in the box."""
+    from coordinator.config_check import _gguf_model
+    from pool.gguf_meta import kept_bytes
+
+    hf = tiny_model_factory("llama", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=640,
+                            tie_embeddings=True)
+    path = write_gguf(hf, tmp_path / "m.gguf", "Q4_K_M")
+    box = _box(path, [(0, 2), (2, 4)], dtype="bfloat16")
+    heads = []
+    for device in ("cpu", "cuda:0"):
+        box["stages"][1]["device"] = device
+        tensors = _gguf_model(config_from_dict(box), [])[2]
+        heads.append(next(x for x in tensors if x[0] == "lm_head.weight"))
+    assert heads[0] == ("lm_head.weight", kept_bytes("Q6_K", (640, 256), 2, cpu=True), 640 * 256, False)
+    assert heads[1] == ("lm_head.weight", 640 * 256 * 2, 640 * 256, True)
+
+
 def checks_as_loaded(path) -> list:
     """strata config check of `path` over stages [0, 2) and [2, 4), in float32 and bfloat16: each stage's weight
     bytes equal StageModel.weight_bytes() of those layers; returns the two reports."""
