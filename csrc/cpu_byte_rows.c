@@ -41,6 +41,12 @@
 
 #define AVX2_BYTE_ROWS 4
 
+/* A product's body where the library was built without the instructions: its arguments unused, -2. */
+#define NO_ISA_PRODUCT()                                                                                          \
+    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y, \
+        (void)threads;                                                                                            \
+    return -2
+
 int strata_byte_rows_isa(void) { return STRATA_ISA; }
 
 /* Groups a multiple of 32, or of 16 for bytes (Q6_K's sub-blocks): a block of 32 values then has two scales, the
@@ -216,9 +222,7 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
     free(sums);
     return 0;
 #else
-    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y,
-        (void)threads;
-    return -2;
+    NO_ISA_PRODUCT();
 #endif
 }
 
@@ -396,9 +400,7 @@ int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t 
     free(a), free(dd), free(sums), free(gi);
     return 0;
 #else
-    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y,
-        (void)threads;
-    return -2;
+    NO_ISA_PRODUCT();
 #endif
 }
 
