@@ -294,7 +294,8 @@ def _self_check(fns: dict[str, object]) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k, group, bits in ((64, 64, 32, 8), (37, 256, 128, 8), (130, 96, 32, 8), (48, 320, 32, 8),
-                                  (40, 96, 16, 8), (64, 64, 32, 4), (37, 256, 128, 4), (130, 96, 32, 4), (48, 320, 32, 4)):
+                                  (40, 96, 16, 8), (64, 64, 32, 4), (37, 256, 128, 4), (130, 96, 32, 4),
+                                  (48, 320, 32, 4)):
             v = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
             q = v if bits == 8 else nibbles(v)
             s = torch.rand(n, k // group, generator=g) * 0.01

@@ -14,12 +14,13 @@ Rules:
    only for a dense attention layer (no linear attention, no routed experts, no output gate) whose four products
    are each read from packed panels (stages/packed_rows.py) or from float32 byte rows (stages/byte_rows.py: a
    quantized GGUF model in float32), the fused qkv's rows in one such form or in two (a RowStack of two parts: a
-   Q4_K_M layer's Q6_K v rows after its Q4_K q and k), and whose norms are float32. Every other step and layer runs the Python path
-   of stages/model.py, unchanged; a step may mix both.
+   Q4_K_M layer's Q6_K v rows after its Q4_K q and k), and whose norms are float32. Every other step and layer
+   runs the Python path of stages/model.py, unchanged; a step may mix both.
 2. The call runs what the Python path runs: the layer ops of stages/cpu_ops.py, the packed-rows or byte-rows
-   products (of 8-bit rows where the weight says so: stages/byte_rows.py rule 7) and the decode attention kernel of stages/cpu_attention.py (their sources compiled into this library),
-   in the same order, with the same arguments and the same attention plan, and the K/V rows copied into their cells
-   (into an int8 pool quantized as attention.quantize_int8 does, the same values and scales).
+   products (of 8-bit rows where the weight says so: stages/byte_rows.py rule 7) and the decode attention kernel
+   of stages/cpu_attention.py (their sources compiled into this library), in the same order, with the same
+   arguments and the same attention plan, and the K/V rows copied into their cells (into an int8 pool quantized
+   as attention.quantize_int8 does, the same values and scales).
    The layer's output, the K/V rows in the pool and the step's logits are the same bit for bit (tested against
    the Python path, which the tests hold to transformers). So it is used only where all three are available.
 3. What stays the same for a layer (its weights' panels, biases, norms) is gathered once (`Layer`); what stays

@@ -144,7 +144,8 @@ def test_config_check_weights_are_the_loaded_stages(tiny_model_factory, tmp_path
                             tie_embeddings=tied)
     reports = checks_as_loaded(write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype))
     if qtype == "Q4_K_M":
-        assert GGUFModel(tmp_path / f"{qtype}.gguf").quantized_types()["Q6_K"] == 1 + 2 * 2  # output; v, down of layers 2, 3
+        # the output, and v and down of layers 2 and 3
+        assert GGUFModel(tmp_path / f"{qtype}.gguf").quantized_types()["Q6_K"] == 1 + 2 * 2
         assert all(any("Q6_K as bytes" in n for n in r.notes) for r in reports)
 
 
