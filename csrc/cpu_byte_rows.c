@@ -1,7 +1,8 @@
 /* A product of few rows by a weight held as one byte (or half a byte) per value and a scale and an offset per
    group (stages/byte_rows.py).
 
-   W[n][k] = s[n][g] * q[n][k] + b[n][g], g = k / group, s and b float32 [N, K / group]; q is uint8 [N, K] (`bits`
+   W[n][k] = s[n][g] * q[n][k] + b[n][g], g = k / group, s and b float32 [N, K / group] (b NULL: b[n][g] is
+   -zero * s[n][g], a format whose offset is its scale times a fixed zero point); q is uint8 [N, K] (`bits`
    8: the GGUF formats of two int4 planes, Q8_0, Q5_0, Q5_1, Q5_K, and 8-bit GPTQ) or [N, K / 2] (`bits` 4: one
    plane, Q4_0, Q4_1, Q4_K, 4-bit GPTQ / AWQ), each 16 bytes holding values k + j (low nibble) and k + 16 + j (high
    nibble) of a block of 32 at k.
@@ -43,9 +44,13 @@
 
 /* A product's body where the library was built without the instructions: its arguments unused, -2. */
 #define NO_ISA_PRODUCT()                                                                                          \
-    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)n, (void)group, (void)bias, (void)y, \
-        (void)threads;                                                                                            \
+    (void)x, (void)rows, (void)kk, (void)q, (void)bits, (void)s, (void)b, (void)zero, (void)n, (void)group,      \
+        (void)bias, (void)y, (void)threads;                                                                       \
     return -2
+
+/* The offset of group g of a row: its own (bn), or, where a format's offset is its scale times a fixed zero point
+   (Q8_0, Q6_K, Q5_0, Q4_0: bn NULL), -zero * sn[g], exact in float32 for the formats' powers of two. */
+#define OFFSET(bn, sn, zero, g) ((bn) ? (bn)[g] : -(zero) * (sn)[g])
 
 int strata_byte_rows_isa(void) { return STRATA_ISA; }
 
@@ -103,7 +108,7 @@ static inline void store_bf16(uint16_t *dst, __mmask16 mask, __m512 v) {
                 }                                                                                                 \
             }                                                                                                     \
             _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) for (int64_t h = g; h < g + gstep; h++)           \
-                off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);                                               \
+                off[m] = fmaf(OFFSET(bn, sn, zero, h), sums[m * groups + h], off[m]);                            \
         }                                                                                                         \
         for (int m = 0; m < R; m++)                                                                               \
             y[m * n + i] = _mm512_reduce_add_ps(acc[m]) + off[m] + (bias ? bias[i] : 0.0f);                       \
@@ -159,7 +164,7 @@ static inline void values32x8(const uint8_t *qn, int64_t k, int bits, __m256 v[4
                 }                                                                                                 \
             }                                                                                                     \
             _Pragma("GCC unroll 4") for (int m = 0; m < R; m++) for (int64_t h = g; h < g + gstep; h++)           \
-                off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);                                               \
+                off[m] = fmaf(OFFSET(bn, sn, zero, h), sums[m * groups + h], off[m]);                            \
         }                                                                                                         \
         for (int m = 0; m < R; m++)                                                                               \
             y[m * n + i] = strata_reduce16(lo[m], hi[m]) + off[m] + (bias ? bias[i] : 0.0f);                      \
@@ -170,7 +175,7 @@ static inline void values32x8(const uint8_t *qn, int64_t k, int bits, __m256 v[4
 
 /* Rows [m0, m0 + r) of x and y by output i of the weight (sums and y as the caller holds them). */
 static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t *qn, const float *sn,
-                           const float *bn, const float *sums0, int64_t groups, int64_t group, int bits,
+                           const float *bn, float zero, const float *sums0, int64_t groups, int64_t group, int bits,
                            const float *bias, float *y0, int64_t n, int64_t i) {
     const float *x = x0, *sums = sums0;
     const int64_t gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
@@ -183,7 +188,7 @@ static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t
 #endif
 
 int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
-                     const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
+                     const float *b, float zero, int64_t n, int64_t group, const float *bias, float *y, int threads) {
 #if STRATA_ISA
     if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) ||
         threads < 1)
@@ -203,10 +208,10 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
-        const float *sn = s + i * groups, *bn = b + i * groups;
+        const float *sn = s + i * groups, *bn = b ? b + i * groups : NULL;
         for (int64_t line = 0; bits == 4 && line < groups; line += 16) {
             _mm_prefetch((const char *)(sn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
-            _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+            if (bn) _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
         }
 #if STRATA_ISA == 512
         if (bits == 8)
@@ -215,7 +220,7 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
             switch (rows) { ALL_ROWS(4) }
 #else
         for (int64_t m = 0; m < rows; m += AVX2_BYTE_ROWS)
-            byte_rows_part(x + m * kk, rows - m < AVX2_BYTE_ROWS ? rows - m : AVX2_BYTE_ROWS, kk, qn, sn, bn,
+            byte_rows_part(x + m * kk, rows - m < AVX2_BYTE_ROWS ? rows - m : AVX2_BYTE_ROWS, kk, qn, sn, bn, zero,
                            sums + m * groups, groups, group, bits, bias, y + m * n, n, i);
 #endif
     }
@@ -346,7 +351,8 @@ static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t gro
 #endif
 
 int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t *q, int bits, const float *s,
-                        const float *b, int64_t n, int64_t group, const float *bias, float *y, int threads) {
+                        const float *b, float zero, int64_t n, int64_t group, const float *bias, float *y,
+                        int threads) {
 #if STRATA_ISA
     if (rows < 1 || rows > BYTE_MAX_ROWS || kk < 1 || n < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) ||
         (bits == 4 && kk % 64) || threads < 1)
@@ -371,29 +377,36 @@ int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t 
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
-        const float *sn = s + i * groups, *bn = b + i * groups;
+        const float *sn = s + i * groups, *bn = b ? b + i * groups : NULL;
         const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(-128), ones16 = _mm256_set1_epi16(1);
         float dot[BYTE_MAX_ROWS];
         (void)low4, (void)top, (void)pairs;
         for (int64_t line = 0; line < groups; line += 16) {
             _mm_prefetch((const char *)(sn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
-            _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
+            if (bn) _mm_prefetch((const char *)(bn + BYTE_PREFETCH_ROWS * groups + line), _MM_HINT_NTA);
         }
         if (bits == 8)
             switch (rows) { Q8_ALL(Q8_BYTE_ROWS) }
         else
             switch (rows) { Q8_ALL(Q8_NIBBLE_ROWS) }
-        for (int64_t m = 0; m < rows; m++) { /* the offsets: 8 groups a step, then the rest in order */
+        /* the offsets: 8 groups a step, then the rest in order; none for bytes whose zero point is 128 (Q8_0: b +
+           128 s is 0 in every group) */
+        const int none = bits == 8 && !bn && zero == 128.0f;
+        for (int64_t m = 0; m < rows; m++) {
             const float *xs = sums + m * groups;
             __m256 o8 = _mm256_setzero_ps();
             int64_t g = 0;
-            for (; g + 8 <= groups; g += 8) {
-                __m256 bg = _mm256_loadu_ps(bn + g);
-                if (bits == 8) bg = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), _mm256_loadu_ps(sn + g), bg);
+            for (; !none && g + 8 <= groups; g += 8) {
+                const __m256 s8 = _mm256_loadu_ps(sn + g);
+                __m256 bg = bn ? _mm256_loadu_ps(bn + g) : _mm256_mul_ps(_mm256_set1_ps(-zero), s8);
+                if (bits == 8) bg = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), s8, bg);
                 o8 = _mm256_fmadd_ps(bg, _mm256_loadu_ps(xs + g), o8);
             }
             float off = hsum8(o8);
-            for (; g < groups; g++) off = fmaf(bits == 8 ? fmaf(128.0f, sn[g], bn[g]) : bn[g], xs[g], off);
+            for (; !none && g < groups; g++) {
+                const float bg = OFFSET(bn, sn, zero, g);
+                off = fmaf(bits == 8 ? fmaf(128.0f, sn[g], bg) : bg, xs[g], off);
+            }
             y[m * n + i] = dot[m] + off + (bias ? bias[i] : 0.0f);
         }
     }
@@ -416,7 +429,7 @@ static inline uint16_t round_bf16(float f) {
    statically by `threads` OpenMP threads. A prefill piece multiplies it by one GEMM (stages/byte_rows.py rule 3).
    Returns 0, -1 on arguments it refuses, -2 when built without the instructions. */
 #define HALF_BF16 _mm256_set1_epi32(0x7FFF) /* AVX2: rounding to bfloat16 adds this and the kept word's last bit */
-int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, int64_t n, int64_t kk,
+int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float *b, float zero, int64_t n, int64_t kk,
                         int64_t group, void *out, int bf16, int threads) {
     if (n < 1 || kk < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) || threads < 1)
         return -1;
@@ -426,8 +439,9 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);
         for (int64_t g = 0; g < groups; g += gstep) {
-            const float sg = s[i * groups + g], bg = b[i * groups + g];
-            const float sh = s[i * groups + g + gstep - 1], bh = b[i * groups + g + gstep - 1]; /* last 16 */
+            const float *sn = s + i * groups, *bn = b ? b + i * groups : NULL;
+            const float sg = sn[g], bg = OFFSET(bn, sn, zero, g);
+            const float sh = sn[g + gstep - 1], bh = OFFSET(bn, sn, zero, g + gstep - 1); /* the last 16 values' */
             for (int64_t k = g * group; k < g * group + span; k += 32) {
 #if STRATA_ISA == 512
                 __m512 v0, v1;
@@ -466,7 +480,7 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
     }
     return 0;
 #else
-    (void)q, (void)s, (void)b, (void)out, (void)bf16;
+    (void)q, (void)s, (void)b, (void)zero, (void)out, (void)bf16;
     return -2;
 #endif
 }

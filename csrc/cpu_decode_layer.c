@@ -30,21 +30,22 @@ typedef struct {
     const float *panels, *bias; /* oneDNN's packed panels (cpu_packed_rows.c); bias [n] or NULL */
     int64_t n, k, kp;
     const uint8_t *bytes; /* or, with panels NULL, bytes ([n, k], or [n, k / 2] at 4 bits) and per group a scale */
-    const float *scale, *offset; /* and an offset, [n, k / group] (cpu_byte_rows.c) */
+    const float *scale, *offset; /* and an offset, [n, k / group] (cpu_byte_rows.c; offset NULL: -zero * scale) */
+    float zero;
     int64_t group;
     int bits;
     int int8; /* byte rows: the rows of x as 8-bit rows (cpu_byte_rows.c strata_byte_rows_q8) */
 } strata_weight;
 
 typedef int (*byte_rows_fn)(const float *, int64_t, int64_t, const uint8_t *, int, const float *, const float *,
-                            int64_t, int64_t, const float *, float *, int);
+                            float, int64_t, int64_t, const float *, float *, int);
 
 /* y [rows, n] = x [rows, k] times the weight (+ bias), by whichever kernel reads its form. */
 static int product(const strata_weight *w, const float *x, int64_t rows, float *y, int threads) {
     if (w->panels) return strata_packed_rows(x, rows, w->k, w->panels, w->n, w->kp, w->bias, y, threads);
     if (w->bytes) {
         const byte_rows_fn f = w->int8 ? strata_byte_rows_q8 : strata_byte_rows;
-        return f(x, rows, w->k, w->bytes, w->bits, w->scale, w->offset, w->n, w->group, w->bias, y, threads);
+        return f(x, rows, w->k, w->bytes, w->bits, w->scale, w->offset, w->zero, w->n, w->group, w->bias, y, threads);
     }
     return -1;
 }

@@ -59,6 +59,9 @@ PLANE_COUNTS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2
 # Weights per scale where not 32: Q6_K's 16-weight sub-blocks, which only a CPU stage's bytes multiply
 # (stages/byte_rows.py); another stage dequantizes Q6_K at load (torch's int4 kernels take groups of 32 and more).
 PLANE_GROUPS = {"Q6_K": 16}
+# Formats whose offset is the scale times a fixed zero point (w = s * (q - zero)): a CPU stage's bytes and nibble
+# pairs keep no offsets for them (stages/byte_rows.py rule 8).
+ZERO_POINTS = {"Q8_0": 128, "Q6_K": 32, "Q5_0": 16, "Q4_0": 8}
 QUANTIZED_AUTO_DTYPE = "bfloat16"
 FINGERPRINT_SAMPLE_BYTES = 64
 
@@ -109,16 +112,19 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
         return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
     if group < 32 and not cpu:
         return None
-    return int4_bytes(planes, rows * cols, group, dtype_bytes, cpu)
+    return int4_bytes(planes, rows * cols, group, dtype_bytes, cpu, offsets=kind not in ZERO_POINTS)
 
 
-def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int, cpu: bool = False) -> int:
+def int4_bytes(planes: int, numel: int, group: int, dtype_bytes: int, cpu: bool = False, offsets: bool = True) -> int:
     """A QuantLinear's bytes: per plane 4 bits per weight, and a scale and a zero per `group` weights. On a CPU stage
-    (`cpu`) two planes are one byte per weight and a float32 scale and offset per group (stages/byte_rows.py's
-    ByteLinear, on a CPU with AVX-512; without it the planes, which differ only in float32). One plane in float32,
-    held as nibble pairs there, takes what the plane takes."""
+    (`cpu`) two planes are one byte per weight and a float32 scale and offset per group, and one plane in float32
+    half a byte per weight and the same (stages/byte_rows.py's ByteLinear, on a CPU with AVX-512 or AVX2; without
+    it the planes, which differ only in float32); without `offsets` (ZERO_POINTS) the scale alone."""
+    per_group = 8 if offsets else 4
     if cpu and planes == 2:
-        return numel + 8 * (numel // group)
+        return numel + per_group * (numel // group)
+    if cpu and planes == 1 and dtype_bytes == 4:
+        return numel // 2 + per_group * (numel // group)
     return planes * (numel // 2 + 2 * dtype_bytes * (numel // group))
 
 

@@ -61,7 +61,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 class _Weight(ctypes.Structure):
     _fields_ = [("panels", _P), ("bias", _P), ("n", _L), ("k", _L), ("kp", _L), ("bytes", _P), ("scale", _P),
-                ("offset", _P), ("group", _L), ("bits", _I), ("int8", _I)]
+                ("offset", _P), ("zero", _F), ("group", _L), ("bits", _I), ("int8", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -130,9 +130,10 @@ def _weight(weight: object) -> tuple[_Weight, list[torch.Tensor]] | None:
         p = weight.panels
         return _Weight(p.address, None, p.n, p.k, p.kp), [p.packed]
     if isinstance(weight, ByteLinear) and weight.dtype == torch.float32:
-        (n, k), arrays = weight.shape, [weight.q, weight.scale, weight.offset]
-        return _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), weight.group, weight.bits,
-                       int(weight.int8_activations)), arrays
+        (n, k), arrays = weight.shape, [weight.q, weight.scale]
+        offset = None if weight.offset is None else weight.offset.data_ptr()  # None: -zero * scale
+        return _Weight(None, None, n, k, k, *(a.data_ptr() for a in arrays), offset, weight.zero, weight.group,
+                       weight.bits, int(weight.int8_activations)), arrays + [weight.offset] * (offset is not None)
     return None
 
 

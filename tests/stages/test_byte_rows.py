@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pool.gguf_meta import ZERO_POINTS, kept_bytes
 from stages import byte_rows
 from stages.byte_rows import MAX_ROWS, ByteLinear
 from stages.quant_linear import Planes, QuantLinear, pack, planes_from_gguf
@@ -55,8 +56,10 @@ def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
     bias = torch.randn(N)
     want = F.linear(x.double(), w.double(), bias.double())
     q32 = pack(planes, torch.float32, "cpu")
-    assert isinstance(q32, ByteLinear) and q32.nbytes == N * K + 8 * N * K // planes.group  # a byte per value, 2
-    # floats per group
+    # a byte per value, a float32 scale per group and (rule 8) an offset where the format's is not -zero * scale
+    assert isinstance(q32, ByteLinear) and (q32.offset is None) == (kind in ZERO_POINTS)
+    assert q32.nbytes == N * K + (4 if kind in ZERO_POINTS else 8) * N * K // planes.group
+    assert q32.nbytes == kept_bytes(kind, (N, K), 4, cpu=True)
     got = q32(x, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, N)
     torch.testing.assert_close(got.double(), want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)  # float32 rounding
@@ -87,7 +90,7 @@ def test_int8_activations_are_the_product_of_the_quantized_rows(kind: str, rows:
     bias = torch.randn(N)
     got = q(x, bias).double()
     values = byte_rows.unpack(q.q, q.bits, K)
-    want = byte_rows.reference_q8(x, values, q.scale, q.offset, q.group, bias)
+    want = byte_rows.reference_q8(x, values, q.scale, q.offsets, q.group, bias)
     torch.testing.assert_close(got, want, atol=4e-6 * want.abs().max().item(), rtol=1e-5)
     exact = F.linear(x.double(), w.double(), bias.double())
     err = ((got - exact).abs().max() / exact.abs().max()).item()
@@ -104,7 +107,7 @@ def test_int8_activations_in_bfloat16_and_the_forms_they_take() -> None:
     q = pack(planes, torch.bfloat16, "cpu")
     q.int8_activations = True
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(5)).bfloat16()
-    want = byte_rows.reference_q8(x.float(), byte_rows.unpack(q.q, 8, K), q.scale, q.offset, q.group)
+    want = byte_rows.reference_q8(x.float(), byte_rows.unpack(q.q, 8, K), q.scale, q.offsets, q.group)
     got = q(x)
     assert got.dtype == torch.bfloat16
     assert (got.double() - want).abs().max() <= 8e-3 * want.abs().max()
@@ -133,14 +136,15 @@ def test_a_rows_values_do_not_depend_on_the_other_rows(dtype, int8: bool) -> Non
 @pytest.mark.parametrize("kind", ONE_PLANE)
 @pytest.mark.parametrize("rows", [1, 5, MAX_ROWS + 1])
 def test_one_plane_in_float32_is_held_as_nibble_pairs(kind: str, rows: int) -> None:
-    """Rule 1: one plane in float32 is two values per byte (0.75 bytes per value, as the plane took in float32), read
-    back as gguf's values exactly and multiplied to float32 rounding by the kernel and by dequantize + GEMM; in
-    bfloat16 it keeps torch's int4 kernel."""
+    """Rule 1: one plane in float32 is two values per byte (0.75 bytes per value, as the plane took in float32; Q4_0
+    0.625, rule 8), read back as gguf's values exactly and multiplied to float32 rounding by the kernel and by
+    dequantize + GEMM; in bfloat16 it keeps torch's int4 kernel."""
     planes, w = weights(kind)
     assert byte_rows.takes(planes, torch.float32) and not byte_rows.takes(planes, torch.bfloat16)
     assert isinstance(pack(planes, torch.bfloat16, "cpu"), QuantLinear)
     q = pack(planes, torch.float32, "cpu")
-    assert isinstance(q, ByteLinear) and q.bits == 4 and q.nbytes == N * K * 3 // 4
+    assert isinstance(q, ByteLinear) and q.bits == 4 and q.nbytes == N * K * (5 if kind == "Q4_0" else 6) // 8
+    assert q.nbytes == kept_bytes(kind, (N, K), 4, cpu=True)
     assert torch.equal(q.dequantize(), w)  # s * v + b of float32 scales: gguf's own float32 values
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
@@ -213,14 +217,15 @@ def test_the_kernel_refuses_what_it_cannot_compute() -> None:
     fns = byte_rows._library()[0]
     for x, group in ((torch.randn(0, K), 32), (torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 48)):
         with pytest.raises(ValueError, match="refused"):
-            byte_rows._multiply(fns, x, q.q, 8, q.scale, q.offset, group, None)
+            byte_rows._multiply(fns, x, q.q, 8, q.scale, q.offsets, group, None)
 
 
 ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available() else 0  # csrc/cpu_isa.h
 
 
 @pytest.mark.parametrize("edit", [  # (the AVX-512 source's edit, the AVX2 one's)
-    (("off[m] = fmaf(bn[h], sums[m * groups + h], off[m]);", "off[m] += 0.0f;"),) * 2,  # the offsets forgotten
+    (("off[m] = fmaf(OFFSET(bn, sn, zero, h), sums[m * groups + h], off[m]);", "off[m] += 0.0f;"),) * 2,  # the
+    # offsets forgotten
     (("_mm512_set1_ps(sn[g])", "_mm512_set1_ps(sn[0])"),  # every group scaled by the first one's scale
      ("_mm256_set1_ps(sn[g])", "_mm256_set1_ps(sn[0])")),
     (("_mm512_srli_epi32(b, 4)", "_mm512_srli_epi32(b, 3)"),  # the high nibbles misread
@@ -239,8 +244,14 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
     (("sn[gh[2 * blk + 1]]", "sn[gh[2 * blk]]"),) * 2,
     (("_mm512_set1_ps(sh), v1", "_mm512_set1_ps(sg), v1"), ("j < 2 ? sg : sh", "sg")),
     (("2 * blk + 1] = d * (float)sum[1]", "2 * blk + 1] = d * (float)sum[0]"),) * 2,
+    # rule 8: offsets made from the scales with the wrong sign, 8 at a time in the 8-bit rows' sum; a zero point's
+    # offsets left out where they do not cancel
+    (("-(zero) * (sn)[g]", "(zero) * (sn)[g]"),) * 2,
+    (("_mm256_set1_ps(-zero)", "_mm256_set1_ps(zero)"),) * 2,
+    (("zero == 128.0f", "zero == 32.0f"),) * 2,
 ], ids=["offsets", "scales", "nibbles", "bfloat16", "rows", "int8-pairs", "int8-round", "int8-pick",
-        "int8-offsets", "sixteen", "sixteen-int8", "sixteen-dequant", "sixteen-int8-offsets"])
+        "int8-offsets", "sixteen", "sixteen-int8", "sixteen-dequant", "sixteen-int8-offsets", "zero", "zero-int8",
+        "zero-skipped"])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
     """Rule 5: the first-use check against float64 F.linear and torch's dequantized weight; a source wrong in one
     place fails it, and the planes keep stages/quant_linear.py's packing."""

@@ -50,13 +50,13 @@ def test_formats_without_planes_are_none() -> None:
 
 
 def test_q6_k_is_kept_only_as_bytes(monkeypatch) -> None:
-    """Q6_K's groups of 16 (two planes, the high one 2 bits): bytes on a CPU stage with the byte-rows kernel (1.5
-    bytes per value, as pool/gguf_meta.kept_bytes counts it), else dequantized at load (torch's int4 kernels take
-    groups of 32 and more), the same weight either way."""
+    """Q6_K's groups of 16 (two planes, the high one 2 bits): bytes on a CPU stage with the byte-rows kernel (1.25
+    bytes per value: a float32 scale per 16, the offset -32 s made from it, as pool/gguf_meta.kept_bytes counts it),
+    else dequantized at load (torch's int4 kernels take groups of 32 and more), the same weight either way."""
     raw = blocks("Q6_K")
     planes = planes_from_gguf("Q6_K", raw, (N, K))
     assert planes.group == 16 and int(planes.values[1].max()) == 3
-    assert kept_bytes("Q6_K", (N, K), 4, cpu=True) == N * K * 3 // 2 and kept_bytes("Q6_K", (N, K), 2) is None
+    assert kept_bytes("Q6_K", (N, K), 4, cpu=True) == N * K * 5 // 4 and kept_bytes("Q6_K", (N, K), 2) is None
     if byte_rows.available():
         held = pack(planes, torch.float32, "cpu")
         assert isinstance(held, ByteLinear) and held.nbytes == kept_bytes("Q6_K", (N, K), 4, cpu=True)
