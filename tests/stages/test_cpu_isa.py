@@ -53,8 +53,9 @@ def test_packed_rows_of_both_widths_agree(shape, tmp_path, monkeypatch):
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("shape, group", [((96, 256), 32), ((37, 512), 128), ((130, 96), 32)])
+@pytest.mark.parametrize("bits, shape, group", [(bits, shape, group) for bits in (8, 4)
+                                                for shape, group in (((96, 256), 32), ((37, 512), 128), ((130, 96), 32))]
+                         + [(8, (40, 288), 16)])  # groups of 16: bytes only (byte_rows rule 1)
 def test_byte_rows_of_both_widths_agree(bits, shape, group, tmp_path, monkeypatch):
     """1 to MAX_ROWS rows (groups of 4 rows over one output), and the whole weight dequantized into float32 and
     bfloat16: the same values from both builds, the products F.linear's over the dequantized weight."""
@@ -78,7 +79,7 @@ def test_byte_rows_of_both_widths_agree(bits, shape, group, tmp_path, monkeypatc
         outs = []
         for lib in (fns, native):
             out = torch.empty(n, k, dtype=dtype)
-            assert lib["strata_byte_dequant"](q.data_ptr(), bits, s.data_ptr(), off.data_ptr(), n, k, group,
+            assert lib["strata_byte_dequant"](q.data_ptr(), bits, s.data_ptr(), off.data_ptr(), 0.0, n, k, group,
                                               out.data_ptr(), bf16, 2) == 0
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
