@@ -59,6 +59,8 @@ int strata_byte_rows_isa(void) { return STRATA_ISA; }
 static inline int group_ok(int64_t kk, int64_t group, int bits) {
     return (group >= 32 ? group % 32 == 0 : group == 16 && bits == 8) && kk % group == 0 && kk % 32 == 0;
 }
+static inline int64_t group_step(int64_t group) { return group == 16 ? 2 : 1; }
+static inline int64_t group_span(int64_t group) { return group == 16 ? 32 : group; }
 
 #if STRATA_ISA == 512
 
@@ -178,7 +180,7 @@ static void byte_rows_part(const float *x0, int64_t r, int64_t kk, const uint8_t
                            const float *bn, float zero, const float *sums0, int64_t groups, int64_t group, int bits,
                            const float *bias, float *y0, int64_t n, int64_t i) {
     const float *x = x0, *sums = sums0;
-    const int64_t gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
+    const int64_t gstep = group_step(group), span = group_span(group);
     float *y = y0;
     if (bits == 8)
         switch (r) { ALL_ROWS(8) }
@@ -195,7 +197,7 @@ int strata_byte_rows(const float *x, int64_t rows, int64_t kk, const uint8_t *q,
         return -1;
     const int64_t groups = kk / group;
 #if STRATA_ISA == 512
-    const int64_t gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
+    const int64_t gstep = group_step(group), span = group_span(group);
 #endif
     float *sums = malloc(sizeof(float) * rows * groups);
     if (!sums) return -3;
@@ -287,7 +289,7 @@ static inline float hsum8(__m256 v) {
         }                                                                                                         \
         for (; p < pairs; p++) {                                                                                  \
             if (!(p & 1)) _mm_prefetch((const char *)(qn + 32 * p + BYTE_PREFETCH), _MM_HINT_NTA);               \
-            Q8_NIBBLE_PAIR(R, p, q8_scales(sn[gi[2 * p]], sn[gi[2 * p + 1]]));                                    \
+            Q8_NIBBLE_PAIR(R, p, q8_scales(sn[gh[4 * p]], sn[gh[4 * p + 2]])); /* blocks 2p and 2p + 1 */         \
         }                                                                                                         \
         for (int m = 0; m < R; m++) dot[m] = hsum8(acc[m]);                                                       \
         break;                                                                                                    \
@@ -360,16 +362,13 @@ int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t 
     const int64_t groups = kk / group, blocks = kk / 32, pairs = kk / 64;
     int8_t *a = malloc((size_t)(rows * kk));
     float *dd = malloc(sizeof(float) * rows * blocks * 4), *sums = malloc(sizeof(float) * rows * groups);
-    int32_t *gi = malloc(sizeof(int32_t) * blocks * 3), *gh = gi + blocks; /* the group of each block, half block */
-    if (!a || !dd || !sums || !gi) {
-        free(a), free(dd), free(sums), free(gi);
+    int32_t *gh = malloc(sizeof(int32_t) * blocks * 2); /* the group of each half block */
+    if (!a || !dd || !sums || !gh) {
+        free(a), free(dd), free(sums), free(gh);
         return -3;
     }
     quantize_rows8(x, rows, kk, group, bits, a, dd, sums);
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        gi[blk] = (int32_t)(32 * blk / group);
-        gh[2 * blk] = (int32_t)(32 * blk / group), gh[2 * blk + 1] = (int32_t)((32 * blk + 16) / group);
-    }
+    for (int64_t half = 0; half < 2 * blocks; half++) gh[half] = (int32_t)(16 * half / group);
     const int64_t per = group / 32; /* 1: scales of pairs taken from 8 at a time by `pick` (nibbles: group >= 32) */
     static const int32_t pick_[4][8] __attribute__((aligned(32))) = {
         {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
@@ -410,7 +409,7 @@ int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t 
             y[m * n + i] = dot[m] + off + (bias ? bias[i] : 0.0f);
         }
     }
-    free(a), free(dd), free(sums), free(gi);
+    free(a), free(dd), free(sums), free(gh);
     return 0;
 #else
     NO_ISA_PRODUCT();
@@ -434,7 +433,7 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
     if (n < 1 || kk < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) || threads < 1)
         return -1;
 #if STRATA_ISA
-    const int64_t groups = kk / group, gstep = group == 16 ? 2 : 1, span = group == 16 ? 32 : group;
+    const int64_t groups = kk / group, gstep = group_step(group), span = group_span(group);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *qn = q + i * (kk * bits / 8);

@@ -14,7 +14,8 @@ Rules:
    the two planes took; groups a multiple of 32, or 16: Q6_K's sub-blocks, 1.5 bytes per value where the
    float32 weight it was dequantized to took 4), or one plane, groups a multiple of 32, and the compute dtype is
    float32 (`bits` 4: nibble pairs [N, K / 2], 0.75 bytes per value as the plane took in float32). The scale s of
-   the (low) plane and the offset b are float32 [N, K / group] (rule 8: some formats keep no b). One plane in bfloat16 keeps torch's int4 kernel: its bfloat16 scale and
+   the (low) plane and the offset b are float32 [N, K / group] (rule 8: some formats keep no b, which takes 4
+   bytes per group off these figures). One plane in bfloat16 keeps torch's int4 kernel: its bfloat16 scale and
    zero hold the plane in 0.625 bytes per value, and it multiplies 1 to 16 rows 1.2-1.4x faster than this kernel
    (docs/BENCHMARKS.md, "Byte rows"). Anything else keeps stages/quant_linear.py's packing.
 2. A product of at most MAX_ROWS rows (a decode step) runs the kernel: x in float32, each output one float32 sum
