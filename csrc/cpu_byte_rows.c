@@ -319,35 +319,58 @@ static inline float hsum8(__m256 v) {
 
 /* The rows of x as 8-bit blocks: a [rows][kk] int8, for nibbles each pair of blocks A, B reordered A 0-15, B 0-15,
    A 16-31, B 16-31 (the 32 bytes of the pair's nibbles give, low nibbles then high ones, the values in that
-   order); dd (nibbles: [rows][kk / 64][8], bytes: [rows][kk / 32]); sums [rows][kk / group] (X above). */
+   order); dd (nibbles: [rows][kk / 64][8], bytes: [rows][kk / 32]); sums [rows][kk / group] (X above). Eight values
+   at a time: the absmax by max (a NaN skipped, as fabsf(v) > amax skips it), each value x * (1 / d) rounded to
+   nearest even and clamped as nearbyintf and two comparisons would, the halves' sums in integers. */
+static inline int hsum8i(__m256i v) {
+    const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i u = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
+}
+
 static void quantize_rows8(const float *x, int64_t rows, int64_t kk, int64_t group, int bits, int8_t *a, float *dd,
                            float *sums) {
-    const int64_t blocks = kk / 32, per = group < 32 ? 1 : group / 32;
+    const int64_t blocks = kk / 32, per = group < 32 ? 1 : group / 32, groups = kk / group;
+    const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the packs' 4-byte pieces back in order */
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t blk = 0; blk < blocks; blk++) {
+        for (int64_t blk = 0, g = 0, in = 0; blk < blocks; blk++) { /* g: blk / per, in: blk % per */
             const float *xb = x + m * kk + blk * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            __m256 xv[4], amax8 = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++)
+                xv[j] = _mm256_loadu_ps(xb + 8 * j), amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, xv[j]), amax8);
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
             const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum[2] = {0, 0};
+            __m256i v[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256 r = _mm256_round_ps(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            }
+            const int sum[2] = {hsum8i(_mm256_add_epi32(v[0], v[1])), hsum8i(_mm256_add_epi32(v[2], v[3]))};
+            const __m256i q = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
             int8_t *ab = a + m * kk + (bits == 4 ? (blk & ~(int64_t)1) * 32 + (blk & 1) * 16 : blk * 32);
-            for (int j = 0; j < 32; j++) {
-                float v = nearbyintf(xb[j] * id);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                ab[bits == 4 && j >= 16 ? j + 16 : j] = (int8_t)v;
-                sum[j >= 16] += (int)v;
+            if (bits == 4) { /* values 16-31 32 bytes on, after the pair's other block's first 16 */
+                _mm_storeu_si128((__m128i *)ab, _mm256_castsi256_si128(q));
+                _mm_storeu_si128((__m128i *)(ab + 32), _mm256_extracti128_si256(q, 1));
+            } else {
+                _mm256_storeu_si256((__m256i *)ab, q);
             }
             if (bits == 4)
                 for (int j = 0; j < 4; j++) dd[m * blocks * 4 + (blk / 2) * 8 + (blk & 1) * 4 + j] = d;
             else
                 dd[m * blocks + blk] = d;
             if (group == 16) { /* two groups a block */
-                sums[m * (kk / 16) + 2 * blk] = d * (float)sum[0];
-                sums[m * (kk / 16) + 2 * blk + 1] = d * (float)sum[1];
+                sums[m * groups + 2 * blk] = d * (float)sum[0];
+                sums[m * groups + 2 * blk + 1] = d * (float)sum[1];
                 continue;
             }
-            const int64_t g = blk / per, at = m * (kk / group) + g;
-            sums[at] = (blk % per ? sums[at] : 0.0f) + d * (float)(sum[0] + sum[1]);
+            float *at = sums + m * groups + g;
+            *at = (in ? *at : 0.0f) + d * (float)(sum[0] + sum[1]);
+            if (++in == per) g++, in = 0;
         }
 }
 #endif
@@ -368,7 +391,10 @@ int strata_byte_rows_q8(const float *x, int64_t rows, int64_t kk, const uint8_t 
         return -3;
     }
     quantize_rows8(x, rows, kk, group, bits, a, dd, sums);
-    for (int64_t half = 0; half < 2 * blocks; half++) gh[half] = (int32_t)(16 * half / group);
+    for (int64_t half = 0, g = 0, in = 0; half < 2 * blocks; half++) { /* 16 * half / group, without dividing */
+        gh[half] = (int32_t)g;
+        if ((in += 16) == group) g++, in = 0;
+    }
     const int64_t per = group / 32; /* 1: scales of pairs taken from 8 at a time by `pick` (nibbles: group >= 32) */
     static const int32_t pick_[4][8] __attribute__((aligned(32))) = {
         {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};

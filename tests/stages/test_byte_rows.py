@@ -235,7 +235,10 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
     (("_mm512_reduce_add_ps(acc[m]) + off[m]", "_mm512_reduce_add_ps(acc[0]) + off[m]"),
      ("strata_reduce16(lo[m], hi[m]) + off[m]", "strata_reduce16(lo[0], hi[0]) + off[m]")),
     (("ones16 = _mm256_set1_epi16(1)", "ones16 = _mm256_set1_epi16(2)"),) * 2,  # 8-bit rows: every product doubled
-    (("nearbyintf(xb[j] * id)", "truncf(xb[j] * id)"),) * 2,  # 8-bit rows rounded toward zero
+    (("_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC", "_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC"),) * 2,  # 8-bit
+    # rows rounded toward zero
+    (("setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)", "setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)"),) * 2,  # 8-bit rows out of order
+    (("if ((in += 16) == group) g++", "if ((in += 32) >= group) g++"),) * 2,  # bytes: each half block a group
     (("{0, 0, 0, 0, 1, 1, 1, 1}, {2", "{0, 0, 0, 0, 0, 0, 0, 0}, {2"),) * 2,  # a pair of nibble blocks, one scale
     (("_mm256_set1_ps(128.0f)", "_mm256_set1_ps(127.0f)"),) * 2,  # bytes' offsets, 8 groups a step
     # groups of 16 (Q6_K): a block's last 16 values scaled by its first 16's scale, in each of the three functions;
@@ -249,7 +252,8 @@ ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available()
     (("-(zero) * (sn)[g]", "(zero) * (sn)[g]"),) * 2,
     (("_mm256_set1_ps(-zero)", "_mm256_set1_ps(zero)"),) * 2,
     (("zero == 128.0f", "zero == 32.0f"),) * 2,
-], ids=["offsets", "scales", "nibbles", "bfloat16", "rows", "int8-pairs", "int8-round", "int8-pick",
+], ids=["offsets", "scales", "nibbles", "bfloat16", "rows", "int8-pairs", "int8-round", "int8-order", "int8-halves",
+        "int8-pick",
         "int8-offsets", "sixteen", "sixteen-int8", "sixteen-dequant", "sixteen-int8-offsets", "zero", "zero-int8",
         "zero-skipped"])
 def test_a_library_that_computes_wrong_is_not_used(fresh_library, tmp_path, edit) -> None:
