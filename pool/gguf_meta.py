@@ -99,7 +99,8 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
     """Bytes a weight of GGUF type `kind` takes kept quantized (stages/quant_linear.py), None when it is not kept:
     per plane 4 bits per weight and per 32 weights (PLANE_GROUPS) a scale and a zero in the compute dtype (a
     QuantLinear), or float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding); on a CPU
-    stage (`cpu`) two planes are held as bytes (`int4_bytes`), and only there a weight of groups of 16 (Q6_K). A CPU
+    stage (`cpu`) two planes are held as bytes (`int4_bytes`, the embedding too), and only there a weight of groups
+    of 16 (Q6_K). A CPU
     stage pads a packed weight's rows to a multiple of 64 (not counted: a real model's row counts are multiples of
     64)."""
     planes = PLANE_COUNTS.get(kind)
@@ -108,7 +109,7 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
     rows, cols = shape
     group = PLANE_GROUPS.get(kind, 32)
     groups = rows * cols // group
-    if embedding:
+    if embedding and not (cpu and (planes == 2 or dtype_bytes == 4)):  # a CPU stage's are bytes or nibble pairs
         return planes * (rows * cols // 2 + 4 * groups) + 4 * groups
     if group < 32 and not cpu:
         return None

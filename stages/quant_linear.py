@@ -289,26 +289,37 @@ class QuantLinear:
 
 
 class QuantEmbedding:
-    """An embedding table `[V, H]` kept as planes: nibble pairs and float32 scales; `lookup(ids)` dequantizes rows."""
+    """An embedding table `[V, H]` kept quantized; `lookup(ids)` dequantizes the rows asked for. On a CPU stage whose
+    byte-rows kernel takes the planes (stages/byte_rows.py rule 1) it holds them as a ByteLinear's bytes or nibble
+    pairs and a lookup is one call of the library over the rows (`ByteLinear.rows`: a decode step's row in ~20 us,
+    where the torch ops below took ~200); elsewhere nibble pairs and float32 scales, dequantized by torch ops."""
 
     def __init__(self, planes: Planes, dtype: torch.dtype, device: torch.device | str) -> None:
         self.shape, self.kind, self.dtype, self.group = planes.shape, planes.kind, dtype, planes.group
+        self.bytes = None
+        if torch.device(device).type == "cpu" and byte_rows.available() and byte_rows.takes(planes, dtype):
+            self.bytes = byte_rows.ByteLinear(planes, dtype)
+            return
         self.pairs = [(v[:, ::2] | v[:, 1::2] << 4).to(device) for v in planes.values]
         self.scales = [s.to(device) for s in planes.scales]
         self.offset = planes.offset.to(device)
 
     @property
     def nbytes(self) -> int:
+        if self.bytes is not None:
+            return self.bytes.nbytes
         return sum(p.numel() for p in self.pairs) + 4 * (sum(s.numel() for s in self.scales) + self.offset.numel())
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        k = self.shape[1]
-        w = self.offset[ids].repeat_interleave(self.group, dim=1)
+        k, flat = self.shape[1], ids.reshape(-1)
+        if self.bytes is not None:
+            return self.bytes.rows(flat).reshape(*ids.shape, k)
+        w = self.offset[flat].repeat_interleave(self.group, dim=1)
         for p, s in zip(self.pairs, self.scales):
-            b = p[ids]
+            b = p[flat]
             v = torch.stack((b & 15, b >> 4), dim=-1).reshape(-1, k)
-            w = w + v.float() * s[ids].repeat_interleave(self.group, dim=1)
-        return w.to(self.dtype)
+            w = w + v.float() * s[flat].repeat_interleave(self.group, dim=1)
+        return w.to(self.dtype).reshape(*ids.shape, k)
 
 
 class RowStack:

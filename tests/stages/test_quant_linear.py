@@ -131,12 +131,24 @@ def test_fused_rows_of_mixed_formats(third: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "Q6_K"])
-def test_embedding_lookup_is_exact(kind: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_lookup_is_exact(kind: str, dtype: torch.dtype, monkeypatch) -> None:
+    """A lookup is the table's rows as gguf dequantizes them, rounded to the compute dtype: held as a ByteLinear's
+    bytes or nibble pairs where the byte-rows kernel takes the planes (one plane: float32 only), else as nibble
+    pairs dequantized by torch; each at the size `strata config check` counts for it."""
     raw = blocks(kind)
-    table = QuantEmbedding(planes_from_gguf(kind, raw, (N, K)), torch.float32, "cpu")
-    ids = torch.tensor([5, 0, 95, 5, 40])
-    torch.testing.assert_close(table.lookup(ids), dequantized(kind, raw)[ids], atol=0, rtol=1e-6)
-    assert table.nbytes < N * K * 2
+    ids = torch.tensor([[5, 0, 95], [5, 40, 7]])
+    want = dequantized(kind, raw)[ids].to(dtype)
+    for kernel in (True, False):
+        monkeypatch.setattr(byte_rows, "available", lambda: kernel and byte_rows._library()[0] is not None)
+        table = QuantEmbedding(planes_from_gguf(kind, raw, (N, K)), dtype, "cpu")
+        got = table.lookup(ids)
+        assert got.dtype == dtype and got.shape == (2, 3, K)
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=1e-6 if dtype == torch.float32 else 2**-8)
+        bytes_form = table.bytes is not None
+        assert bytes_form == (kernel and byte_rows.available() and (kind != "Q4_K" or dtype == torch.float32))
+        assert table.nbytes == kept_bytes(kind, (N, K), dtype.itemsize, embedding=True, cpu=bytes_form)
+        assert table.nbytes < N * K * 2
 
 
 def test_row_permutation_before_packing() -> None:
