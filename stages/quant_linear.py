@@ -27,8 +27,8 @@ The scales are rounded to the compute dtype once, at packing, so both CPU paths 
 In float32 that is the dequantized weight itself (to float32 rounding); in bfloat16 each scale carries up to
 2^-9 relative error, well inside the 4-bit step of the format.
 
-`QuantEmbedding` keeps the embedding table as planes (nibble pairs and float32 scales, on any device); a lookup
-dequantizes only the rows asked for, exactly.
+`QuantEmbedding` keeps the embedding table quantized (on a CPU stage with the byte-rows kernel as its bytes or
+nibble pairs, elsewhere as nibble pairs and float32 scales); a lookup dequantizes only the rows asked for, exactly.
 
 Memory per weight: 4 bits per plane plus a scale and a zero per 32 weights per plane in the compute dtype: a
 one-plane format in bfloat16 takes 5 bits (0.31x of bfloat16), a two-plane one 10.
