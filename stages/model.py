@@ -437,7 +437,7 @@ class StageModel:
         if not self.is_last:
             return h
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
-        return linear(rms_norm(rows, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(self._add_norm(rows, None, self.norm)[1], self.lm_head).float()
 
     def decode_layers(self) -> list[decode_layer.Layer | None]:
         """stages/decode_layer.py's Layer for each local layer (None: the layer keeps the Python path), found once."""
