@@ -216,8 +216,8 @@ class ByteLinear:
         return self._dequantize(self.q, self.scale, self.offset)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (1-D) of the weight, `[len(ids), K]` in the compute dtype, as `dequantize` makes them (an embedding
-        table's lookup: stages/quant_linear.py QuantEmbedding)."""
+        """Rows `ids` (1-D) of the weight, `[len(ids), K]` in the compute dtype, as `dequantize` makes them (an
+        embedding table's lookup: stages/quant_linear.py QuantEmbedding)."""
         return self._dequantize(self.q[ids], self.scale[ids], None if self.offset is None else self.offset[ids])
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
