@@ -100,9 +100,8 @@ def kept_bytes(kind: str, shape: tuple[int, ...], dtype_bytes: int, embedding: b
     per plane 4 bits per weight and per 32 weights (PLANE_GROUPS) a scale and a zero in the compute dtype (a
     QuantLinear), or float32 scales and one float32 offset for all planes (the embedding's QuantEmbedding); on a CPU
     stage (`cpu`) two planes are held as bytes (`int4_bytes`, the embedding too), and only there a weight of groups
-    of 16 (Q6_K). A CPU
-    stage pads a packed weight's rows to a multiple of 64 (not counted: a real model's row counts are multiples of
-    64)."""
+    of 16 (Q6_K). A CPU stage pads a packed weight's rows to a multiple of 64 (not counted: a real model's row
+    counts are multiples of 64)."""
     planes = PLANE_COUNTS.get(kind)
     if planes is None or len(shape) != 2:
         return None

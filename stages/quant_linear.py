@@ -297,7 +297,7 @@ class QuantEmbedding:
     def __init__(self, planes: Planes, dtype: torch.dtype, device: torch.device | str) -> None:
         self.shape, self.kind, self.dtype, self.group = planes.shape, planes.kind, dtype, planes.group
         self.bytes = None
-        if torch.device(device).type == "cpu" and byte_rows.available() and byte_rows.takes(planes, dtype):
+        if as_bytes(planes, dtype, torch.device(device)):
             self.bytes = byte_rows.ByteLinear(planes, dtype)
             return
         self.pairs = [(v[:, ::2] | v[:, 1::2] << 4).to(device) for v in planes.values]
@@ -374,6 +374,12 @@ def embed(ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tens
     return table.lookup(ids)
 
 
+def as_bytes(planes: Planes, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `planes` are held as a stages/byte_rows.py ByteLinear (its rule 1): on a CPU with its kernel, in the
+    forms it takes. `pack` and QuantEmbedding both ask."""
+    return device.type == "cpu" and byte_rows.available() and byte_rows.takes(planes, dtype)
+
+
 def pack(planes: Planes | RowStack, dtype: torch.dtype, device: torch.device | str) -> Weight:
     """A QuantLinear (a RowStack of packed parts; on a CPU a stages/byte_rows.py ByteLinear where its rule 1 says),
     or the dequantized weight when this dtype / device has no kernel (`kernel_dtype_ok`)."""
@@ -383,7 +389,7 @@ def pack(planes: Planes | RowStack, dtype: torch.dtype, device: torch.device | s
                          for p in planes.parts])
     if not kernel_dtype_ok(dtype, device):
         return planes.dequantize().to(device, dtype)
-    if device.type == "cpu" and byte_rows.takes(planes, dtype) and byte_rows.available():
+    if as_bytes(planes, dtype, device):
         return byte_rows.ByteLinear(planes, dtype)  # bytes or nibble pairs (stages/byte_rows.py rule 1)
     if planes.group % GROUP:  # Q6_K's groups of 16: torch's int4 kernels take groups of 32 and more
         return planes.dequantize().to(device, dtype)
