@@ -18,6 +18,9 @@ token from the last one (with one stage, its own sample), so no stage waits for 
 decode steps (pool/step_chain.py). Stages in turns send that step only when it has such a row (it then waits
 at the first stage until the step before is done).
 
+Answers are applied in the order the steps were sent, whatever order their tasks wake in: with two steps of one
+request in flight, the later answer applied first would put its token before the earlier one's (`_run_step`).
+
 A step carries at most ceil(active / G) decoding slots, so with pipelined stages up to S groups are in flight
 and every stage works at the same time; prefill pieces are not counted in that cap (only in `prefill_chunk`),
 so a step full of decoders still carries a piece and the steps in flight cost about the same: a step of
@@ -117,6 +120,7 @@ class Scheduler:
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.flight: set[int] = set()  # the ids of the steps in flight (the oldest is what a chained row reads)
+        self._applied: asyncio.Future | None = None  # done once the last step sent has its answer applied
         self.step_ids = itertools.count(1)
         self.counters = {"refusals": {}, "truncations": 0, "lost": 0, "chained": 0}
         self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
@@ -428,15 +432,33 @@ class Scheduler:
             job.in_flight -= sent  # a step the link refused never counted as in flight
             self._fail(job, err)  # a later piece of it still in flight comes back to a done job
 
-    async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job]) -> None:
+    async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job], before: asyncio.Future | None,
+                        applied: asyncio.Future) -> None:
+        """Apply a step's answer once it came and the answer of the step sent before it is applied (`before`), so
+        answers are applied in the order the steps were sent. Two answers can be read in one turn before the
+        task of the later step first runs; awaiting its done future would not yield, and a chained step's token
+        would reach the request before the token of the step it follows."""
         try:
-            result = await fut
-        except Exception as err:  # noqa: BLE001 - a broken step ends its requests, never hangs them
-            self._fail_step(members, self._step_error(err, header["step"]))
-            return
+            try:
+                try:
+                    result, error = await fut, None
+                except Exception as err:  # noqa: BLE001 - a broken step ends its requests, never hangs them
+                    result, error = None, err
+                if before is not None:
+                    await before
+            finally:
+                self.flight.discard(header["step"])
+                self._wake.set()
+            if error is not None:
+                self._fail_step(members, self._step_error(error, header["step"]))
+            else:
+                self._apply(header, result, members)
         finally:
-            self.flight.discard(header["step"])
-            self._wake.set()
+            if not applied.done():
+                applied.set_result(None)
+
+    def _apply(self, header: dict, result: dict, members: list[Job]) -> None:
+        """A step's answer: each member's sampled token, or its end."""
         sampled = {row[0]: row for row in result.get("tokens", [])}
         for job, (slot, start, n, sample) in zip(members, header["slots"]):
             job.in_flight -= 1
@@ -575,7 +597,9 @@ class Scheduler:
             for job in members:
                 job.in_flight += 1
             self.flight.add(header["step"])
-            asyncio.create_task(self._run_step(header, fut, members))
+            applied = asyncio.get_running_loop().create_future()
+            asyncio.create_task(self._run_step(header, fut, members, self._applied, applied))
+            self._applied = applied
         self.send_ops()
 
     def send_ops(self) -> None:

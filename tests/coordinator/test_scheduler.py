@@ -597,6 +597,39 @@ async def test_a_step_chained_on_a_failed_one_is_refused_and_the_loop_goes_on():
     await sched.stop()
 
 
+class EarlyAnswerLink(CellLink):
+    """A chained step's answer is in when it is sent, before the answer of the step it follows: what the
+    scheduler sees when both answers are read in one turn before the later step's task first runs."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg, delay=0.005)
+        self.early = 0
+
+    def submit(self, header: dict, tokens: list[int]) -> asyncio.Future:
+        if not header.get("chain"):
+            return super().submit(header, tokens)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self._compute(header, tokens))
+        self.early += 1
+        return fut
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+async def test_answers_are_applied_in_the_order_the_steps_were_sent(n_stages):
+    """A chained step whose answer is in before the answer of the step it follows still gives its request the
+    tokens in order: the answer waits until the one before it is applied (every answer is the solo run's)."""
+    cfg = make_cfg(True, n_stages=n_stages, chain_steps=True, pipeline=True)
+    alone = [await solo(make_cfg(True, chain_steps=False), p) for p in prompts()]
+    link = EarlyAnswerLink(cfg)
+    sched = Scheduler(cfg, link)
+    await sched.start()
+    together = await asyncio.gather(*(run(sched, req(p, rid=str(i))) for i, p in enumerate(prompts())))
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert link.early >= len(prompts()) and sched.in_flight == 0
+    assert_pool_accounted(sched)
+    await sched.stop()
+
+
 async def test_stages_in_turns_send_one_step_at_a_time_with_every_decoder():
     """pool/pipeline.py rules 1-2: two CPU stages on one machine take turns by default. One step is in flight,
     it carries every decoding slot (one group), a prompt arriving beside them is read in the even pieces of one
