@@ -120,7 +120,7 @@ class Scheduler:
         self.jobs: list[Job | None] = [None] * e.parallel  # the job running in each slot
         self.waiting: deque[Job] = deque()
         self.flight: set[int] = set()  # the ids of the steps in flight (the oldest is what a chained row reads)
-        self._applied: asyncio.Future | None = None  # done once the last step sent has its answer applied
+        self._last_run: asyncio.Task | None = None  # the last step sent: it applies its answer, then ends
         self.step_ids = itertools.count(1)
         self.counters = {"refusals": {}, "truncations": 0, "lost": 0, "chained": 0}
         self.pinned: set[int] = set()  # slots a session file save or restore is using: no admission there
@@ -432,30 +432,26 @@ class Scheduler:
             job.in_flight -= sent  # a step the link refused never counted as in flight
             self._fail(job, err)  # a later piece of it still in flight comes back to a done job
 
-    async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job], before: asyncio.Future | None,
-                        applied: asyncio.Future) -> None:
-        """Apply a step's answer once it came and the answer of the step sent before it is applied (`before`), so
+    async def _run_step(self, header: dict, fut: asyncio.Future, members: list[Job],
+                        before: asyncio.Task | None) -> None:
+        """Apply a step's answer once it came and the task of the step sent before it (`before`) has ended, so
         answers are applied in the order the steps were sent. Two answers can be read in one turn before the
         task of the later step first runs; awaiting its done future would not yield, and a chained step's token
         would reach the request before the token of the step it follows."""
         try:
             try:
-                try:
-                    result, error = await fut, None
-                except Exception as err:  # noqa: BLE001 - a broken step ends its requests, never hangs them
-                    result, error = None, err
-                if before is not None:
-                    await before
-            finally:
-                self.flight.discard(header["step"])
-                self._wake.set()
-            if error is not None:
-                self._fail_step(members, self._step_error(error, header["step"]))
-            else:
-                self._apply(header, result, members)
+                result, error = await fut, None
+            except Exception as err:  # noqa: BLE001 - a broken step ends its requests, never hangs them
+                result, error = None, err
+            if before is not None and not before.done():
+                await asyncio.wait([before])  # ended, however it ended
         finally:
-            if not applied.done():
-                applied.set_result(None)
+            self.flight.discard(header["step"])
+            self._wake.set()
+        if error is not None:
+            self._fail_step(members, self._step_error(error, header["step"]))
+        else:
+            self._apply(header, result, members)
 
     def _apply(self, header: dict, result: dict, members: list[Job]) -> None:
         """A step's answer: each member's sampled token, or its end."""
@@ -597,9 +593,7 @@ class Scheduler:
             for job in members:
                 job.in_flight += 1
             self.flight.add(header["step"])
-            applied = asyncio.get_running_loop().create_future()
-            asyncio.create_task(self._run_step(header, fut, members, self._applied, applied))
-            self._applied = applied
+            self._last_run = asyncio.create_task(self._run_step(header, fut, members, self._last_run))
         self.send_ops()
 
     def send_ops(self) -> None:
