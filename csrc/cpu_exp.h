@@ -1,5 +1,6 @@
 /* e^x in float32 for the CPU libraries (cpu_paged_decode.c, cpu_layer_ops.c), computed here rather than by libm
-   so the loops that call it vectorize without libmvec.
+   so the loops that call it vectorize without libmvec (with -fno-trapping-math, stages/cpu_build.py rule 1: the
+   clamp's comparisons are then selects, not branches).
 
    x = n ln2 + f with n the integer nearest x / ln2 (rounded by adding and taking away 1.5 * 2^23, which
    vectorizes where floorf does not), |f| <= ln2 / 2, e^f by its Taylor series to f^6 (relative error under

@@ -3,6 +3,12 @@ build it replaces is removed (the directory and file rules: tests/stages/test_cp
 from __future__ import annotations
 
 import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
 
 from stages import cpu_build
 
@@ -57,3 +63,29 @@ def test_flags_are_part_of_the_hash(tmp_path, monkeypatch):
                          "int answer(void) {\n#ifdef EXTRA\n    return 2;\n#else\n    return 1;\n#endif\n}\n")
     plain, extra = cpu_build.build(source, "lib"), cpu_build.build(source, "lib", ("-DEXTRA",))
     assert plain != extra and ctypes.CDLL(str(extra)).answer() == 2
+
+
+def _vectorized_lines(source, tmp_path) -> set[int]:
+    """The lines of `source` where gcc, with the build's flags, reports a loop turned into vector code."""
+    done = subprocess.run([os.environ.get("CC", "gcc"), *cpu_build.FLAGS, f"-I{cpu_build.CSRC}", str(source), "-o",
+                           str(tmp_path / "probe.so"), "-fopt-info-vec-optimized"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.findall(rf"^{re.escape(str(source))}:(\d+):\d+: optimized: loop vectorized", done.stderr, re.M)
+    return {int(n) for n in found}
+
+
+def test_loops_that_call_exp_f_vectorize(tmp_path):
+    """Rule 1's -fno-trapping-math: a loop calling csrc/cpu_exp.h's exp_f (its clamp compares floats), and the SiLU
+    product of csrc/cpu_layer_ops.c, compile into vector code with the build's flags (without the flag gcc leaves
+    both scalar: "control flow in loop")."""
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        pytest.skip("no C compiler")
+    probe = tmp_path / "probe.c"
+    probe.write_text('#include "cpu_exp.h"\n'
+                     "void softmax_part(const float *s, float *o, float top, int n) {\n"
+                     "    for (int i = 0; i < n; i++) o[i] = exp_f(s[i] - top);\n"
+                     "}\n")
+    assert 3 in _vectorized_lines(probe, tmp_path)
+    source = cpu_build.CSRC / "cpu_layer_ops.c"
+    silu = [i + 1 for i, line in enumerate(source.read_text().splitlines()) if "exp_f(-g[i])" in line]
+    assert len(silu) == 1 and silu[0] in _vectorized_lines(source, tmp_path)
