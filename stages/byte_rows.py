@@ -140,6 +140,8 @@ def _multiply(fns: dict, x: torch.Tensor, q: torch.Tensor, bits: int, s: torch.T
     if q.shape[1] * 8 != k * bits:
         raise ValueError(f"{bits}-bit rows of {q.shape[1]} bytes do not hold {k} values")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 0:  # the kernel refuses 0 rows; the product of none is empty
+        return out
     name = "strata_byte_rows_q8" if int8 else "strata_byte_rows"
     rc = fns[name](x.data_ptr(), x.shape[0], k, q.data_ptr(), bits, s.data_ptr(), None if b is None else b.data_ptr(),
                    zero, n, group, None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())

@@ -436,6 +436,8 @@ class StageModel:
             state.commit(batch)
         if not self.is_last:
             return h
+        if not logits_all and not batch.sample_slots:  # only pieces that sample nothing: no head to run
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
         return linear(self._add_norm(rows, None, self.norm)[1], self.lm_head).float()
 

@@ -74,6 +74,17 @@ def test_products_match_the_dequantized_weights(kind: str, rows: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8", [True, False])
+def test_a_product_of_no_rows_is_empty(int8: bool) -> None:
+    """0 rows (the head of a step whose pieces sample nothing) give a [0, N] float32 product, not the kernel's
+    refusal."""
+    planes, _ = weights("Q6_K")
+    q = pack(planes, torch.float32, "cpu")
+    q.int8_activations = int8
+    got = q(torch.empty(0, K))
+    assert got.shape == (0, N) and got.dtype == torch.float32
+
+@needs_kernel
 @pytest.mark.parametrize("kind", TWO_PLANES + ONE_PLANE)
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 def test_int8_activations_are_the_product_of_the_quantized_rows(kind: str, rows: int) -> None:
@@ -210,14 +221,18 @@ def test_other_forms_keep_the_int4_planes() -> None:
 
 @needs_kernel
 def test_the_kernel_refuses_what_it_cannot_compute() -> None:
-    """Arguments out of its range are an error, not a read past the arrays: rows 0 or over MAX_ROWS, a group that is
-    not a multiple of 32."""
+    """Arguments out of its range are an error, not a read past the arrays: rows 0 (which `_multiply` answers with
+    an empty product without calling it) or over MAX_ROWS, a group that is not a multiple of 32."""
     planes, _ = weights("Q8_0")
     q = ByteLinear(planes, torch.float32)
     fns = byte_rows._library()[0]
-    for x, group in ((torch.randn(0, K), 32), (torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 48)):
+    for x, group in ((torch.randn(MAX_ROWS + 1, K), 32), (torch.randn(1, K), 48)):
         with pytest.raises(ValueError, match="refused"):
             byte_rows._multiply(fns, x, q.q, 8, q.scale, q.offsets, group, None)
+    x, out = torch.randn(1, K), torch.empty(1, N)
+    for name in ("strata_byte_rows", "strata_byte_rows_q8"):
+        assert fns[name](x.data_ptr(), 0, K, q.q.data_ptr(), 8, q.scale.data_ptr(), q.offsets.data_ptr(), 0.0, N, 32,
+                         None, out.data_ptr(), 1) != 0
 
 
 ISA = byte_rows._library()[0]["strata_byte_rows_isa"]() if byte_rows.available() else 0  # csrc/cpu_isa.h

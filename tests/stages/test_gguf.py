@@ -274,6 +274,25 @@ def test_q4_k_m_keeps_q6_k_as_bytes_and_decodes_as_transformers(files, tmp_path)
             local.close()
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_a_piece_that_samples_nothing_runs_no_head_on_a_quantized_file(files, int8: bool) -> None:
+    """A step of prompt pieces only (sample=0 for each) on the last stage of a Q4_K_M file, whose tied table is a
+    ByteLinear on a CPU stage: no logits ([0, vocab]) and no error; the piece after it, which samples, gives the
+    logits it gives after the same first piece run with a sample, bit for bit."""
+    path, _ = files("qwen3", "Q4_K_M")
+    ckpt = load_checkpoint(path)
+    m = StageModel(ckpt, 0, ckpt.num_layers, "cpu", torch.float32, int8_activations=int8)
+    ids = torch.tensor(PROMPT, dtype=torch.int32)
+    kv = KVCache(m.num_kv_layers, N_CHUNKS, CHUNK, m.kv_heads, m.head_dim, "float32", "cpu", 2, 2)
+    kv.set_table(0, [3, 1])
+    kv.set_table(1, [6, 0])
+    first = m.forward(StepBatch.from_slots([[0, 0, 12, 0]]), kv, ids[:12])
+    assert first.shape == (0, m.vocab_size) and first.dtype == torch.float32
+    last = m.forward(StepBatch.from_slots([[0, 12, len(PROMPT) - 12, 1]]), kv, ids[12:])
+    assert m.forward(StepBatch.from_slots([[1, 0, 12, 1]]), kv, ids[:12]).shape == (1, m.vocab_size)
+    want = m.forward(StepBatch.from_slots([[1, 12, len(PROMPT) - 12, 1]]), kv, ids[12:])
+    assert last.shape == (1, m.vocab_size) and torch.equal(last, want)
+
 def test_k_quant_tensor_dequantizes_as_gguf_does(files, tmp_path) -> None:
     """Q4_K (gguf cannot quantize it): a block of random bytes with sane f16 scales, read back as gguf reads it."""
     src, _ = files("qwen3")
