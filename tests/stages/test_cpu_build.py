@@ -78,8 +78,11 @@ def test_loops_that_call_exp_f_vectorize(tmp_path):
     """Rule 1's -fno-trapping-math: a loop calling csrc/cpu_exp.h's exp_f (its clamp compares floats), and the SiLU
     product of csrc/cpu_layer_ops.c, compile into vector code with the build's flags (without the flag gcc leaves
     both scalar: "control flow in loop")."""
-    if shutil.which(os.environ.get("CC", "gcc")) is None:
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
         pytest.skip("no C compiler")
+    if "gcc" not in subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.lower():
+        pytest.skip(f"{cc} is not gcc: the test reads gcc's vectorizer report (-fopt-info-vec)")
     probe = tmp_path / "probe.c"
     probe.write_text('#include "cpu_exp.h"\n'
                      "void softmax_part(const float *s, float *o, float top, int n) {\n"
