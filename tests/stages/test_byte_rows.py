@@ -84,6 +84,7 @@ def test_a_product_of_no_rows_is_empty(int8: bool) -> None:
     got = q(torch.empty(0, K))
     assert got.shape == (0, N) and got.dtype == torch.float32
 
+
 @needs_kernel
 @pytest.mark.parametrize("kind", TWO_PLANES + ONE_PLANE)
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])

@@ -293,6 +293,7 @@ def test_a_piece_that_samples_nothing_runs_no_head_on_a_quantized_file(files, in
     want = m.forward(StepBatch.from_slots([[1, 12, len(PROMPT) - 12, 1]]), kv, ids[12:])
     assert last.shape == (1, m.vocab_size) and torch.equal(last, want)
 
+
 def test_k_quant_tensor_dequantizes_as_gguf_does(files, tmp_path) -> None:
     """Q4_K (gguf cannot quantize it): a block of random bytes with sane f16 scales, read back as gguf reads it."""
     src, _ = files("qwen3")
