@@ -50,8 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from pool import step_chain
 from pool.config import Config
@@ -61,6 +60,7 @@ from pool.runtime import box_key, token
 
 from .deadlines import StepClock
 from .handshake import LinkError, StageDown, StepFailed, check_hellos
+from .loop_socket import LoopSocket
 
 __all__ = ["LinkError", "StageDown", "StageLink", "StepFailed", "check_hellos"]
 from pool.wire import (BYE, DONE, ERROR, HELLO, OPS, PING, PONG, PROTOCOL, RESULT, STEP, RawTensor, WireError, decode,
@@ -75,9 +75,8 @@ class _Peer:
     endpoint: str
     state: str = "down"  # down -> joining -> up
     reason: str = "not started"
-    sock: Any = None
-    mon: Any = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    sock: LoopSocket | None = None
+    mon: LoopSocket | None = None
     hello: dict | None = None  # the accepted HELLO
     waiter: asyncio.Future | None = None  # start(): the first HELLO answer
     last_seen: float = 0.0
@@ -87,7 +86,7 @@ class _Peer:
 
 
 class StageLink:
-    """One DEALER per stage on zmq.asyncio; see the module docstring for the rules."""
+    """One DEALER per stage on the loop (coordinator/loop_socket.py); see the module docstring for the rules."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -97,7 +96,7 @@ class StageLink:
         self.on_stage_up: Callable[[int], Any] | None = None
         self.on_stage_down: Callable[[int, str], Any] | None = None
         self.op_generations: Callable[[list], list] | None = None
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)  # a context dropped without close() must never block in term()
         self._peers = [_Peer(i, s.endpoint) for i, s in enumerate(cfg.stages)]
         self._inflight: dict[int, asyncio.Future] = {}
@@ -169,21 +168,19 @@ class StageLink:
         connect_with(sock, self._curve)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(p.endpoint)
-        p.sock, p.mon = sock, mon
-        p.tasks = [asyncio.create_task(self._read(p, sock), name=f"stage-{p.index}-read"),
-                   asyncio.create_task(self._watch(p, sock, mon), name=f"stage-{p.index}-monitor")]
+        holder: list[LoopSocket] = []
+        p.sock = LoopSocket(sock, lambda frames: self._read(p, holder[0], frames))
+        holder.append(p.sock)
+        p.mon = LoopSocket(mon, lambda frames: self._watch(p, holder[0], frames))
         self._send_hello(p)
 
     def _close_socket(self, p: _Peer, linger: int = 0) -> None:
-        for t in p.tasks:
-            t.cancel()
-        p.tasks = []
         if p.sock is not None:
             try:
-                p.sock.disable_monitor()
+                p.sock.sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-            p.mon.close(linger=0)
+            p.mon.close()
             p.sock.close(linger=linger)
             p.sock = p.mon = None
 
@@ -193,37 +190,32 @@ class StageLink:
                                      "config_fp": self.cfg.fingerprint(), "box": self._hello_token}))
 
     def _send(self, p: _Peer, frames: list) -> None:
-        fut = p.sock.send_multipart(frames, copy=False)
-        if isinstance(fut, asyncio.Future):
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface as down
+        p.sock.send(frames)  # a failure surfaces as the stage going down
 
     # ---- receiving -----------------------------------------------------------------------------------
-    async def _read(self, p: _Peer, sock: zmq.asyncio.Socket) -> None:
-        while p.sock is sock:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return  # closed under us (see _watch)
-            try:
-                kind, header, _ = decode(frames)
-            except WireError as err:
-                event(log, "stage.malformed", logging.WARNING, stage=p.index, message=str(err))
-                continue
-            p.last_seen = time.monotonic()
-            if kind == PONG:
-                p.pong = {k: v for k, v in header.items() if k != "t"}
-            elif kind == RESULT:
-                fut = self._inflight.get(header.get("step"))
-                if fut is not None and not fut.done():
-                    fut.set_result(header)
-            elif kind == ERROR:
-                self._on_error(p, header)
-            elif kind == HELLO:
-                self._on_hello(p, header)
-            elif kind == DONE:
-                self._on_done(p, header)
-            else:
-                event(log, "stage.unexpected", logging.WARNING, stage=p.index, kind=kind)
+    def _read(self, p: _Peer, sock: LoopSocket, frames: list) -> None:
+        if p.sock is not sock:
+            return  # a message of a socket replaced since
+        try:
+            kind, header, _ = decode(frames)
+        except WireError as err:
+            event(log, "stage.malformed", logging.WARNING, stage=p.index, message=str(err))
+            return
+        p.last_seen = time.monotonic()
+        if kind == PONG:
+            p.pong = {k: v for k, v in header.items() if k != "t"}
+        elif kind == RESULT:
+            fut = self._inflight.get(header.get("step"))
+            if fut is not None and not fut.done():
+                fut.set_result(header)
+        elif kind == ERROR:
+            self._on_error(p, header)
+        elif kind == HELLO:
+            self._on_hello(p, header)
+        elif kind == DONE:
+            self._on_done(p, header)
+        else:
+            event(log, "stage.unexpected", logging.WARNING, stage=p.index, kind=kind)
 
     def _on_error(self, p: _Peer, header: dict) -> None:
         message = str(header.get("message", "unknown error"))
@@ -301,14 +293,11 @@ class StageLink:
         if p.state == "joining":
             p.state = "up"
 
-    async def _watch(self, p: _Peer, sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
-        while p.sock is sock:
-            try:
-                event = await recv_monitor_message(mon)
-            except zmq.ZMQError:
-                return  # the socket was closed under us: a newer one has its own watcher
-            if event["event"] == zmq.EVENT_DISCONNECTED and p.sock is sock and p.state != "down":
-                self._mark_down(p, "connection lost")  # closes this socket and opens the next
+    def _watch(self, p: _Peer, sock: LoopSocket, frames: list) -> None:
+        """A monitor event of `sock`: a lost connection marks the stage down (once, for the socket it is on)."""
+        happened = parse_monitor_message([bytes(f) for f in frames])
+        if happened["event"] == zmq.EVENT_DISCONNECTED and p.sock is sock and p.state != "down":
+            self._mark_down(p, "connection lost")  # closes this socket and opens the next
 
     # ---- heartbeat and failure -----------------------------------------------------------------------
     async def _beat(self) -> None:
