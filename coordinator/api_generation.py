@@ -352,8 +352,10 @@ class Generation:
         self._pending_lp: list[tuple[int, TokenLogprob]] = []  # (start, entry), waiting for its text to go out
         self._last_token_at: float | None = None
         self._it: Any = None
-        self._next_task: asyncio.Task | None = None
+        self._waiting: asyncio.Task | None = None  # the task awaiting the engine's next event, in `_next`
         self._watch: asyncio.Task | None = None
+        self._gone = False  # the watch saw the client leave
+        self._gone_cancel = False  # ... and cancelled `_waiting`, which `_next` turns into ClientGone
         self._first: TokenEvent | Finished | None = None
         self._closed = False
         self._ended: str | None = None  # "refused" | "error" when it ended without a finish reason
@@ -365,6 +367,7 @@ class Generation:
             it = self.front.engine.generate(self.gen)
             self._it = (await it) if inspect.isawaitable(it) else it
             self._watch = asyncio.ensure_future(_wait_disconnect(self.request))
+            self._watch.add_done_callback(self._client_left)
             self._first = await self._next()
             cached = getattr(self._first, "cached_tokens", None)
             if cached is not None:
@@ -377,20 +380,37 @@ class Generation:
             await self.close()
             raise
 
-    async def _anext(self) -> TokenEvent | Finished:
-        return await self._it.__anext__()
-
     async def _next(self) -> TokenEvent | Finished | None:
-        """The next engine event, None when the iterator ends; raises ClientGone if the client leaves first."""
-        self._next_task = asyncio.ensure_future(self._anext())
-        done, _ = await asyncio.wait({self._next_task, self._watch}, return_when=asyncio.FIRST_COMPLETED)
-        if self._next_task not in done:
+        """The next engine event, None when the iterator ends; raises ClientGone if the client leaves first.
+
+        Awaited in the calling task itself (no task per event): when the client leaves, the watch cancels that
+        task (`_client_left`), and the cancel it asked for is counted back here and becomes ClientGone; the
+        engine's iterator is cancelled at its await, as closing it would."""
+        if self._gone:
             raise ClientGone()
-        task, self._next_task = self._next_task, None
+        task = asyncio.current_task()
+        self._waiting = task
         try:
-            return task.result()
+            return await self._it.__anext__()
         except StopAsyncIteration:
             return None
+        except asyncio.CancelledError:
+            if self._gone_cancel:
+                self._gone_cancel = False
+                if task.uncancel() == 0:  # no one else asked for this task to be cancelled
+                    raise ClientGone() from None
+            raise
+        finally:
+            self._waiting = None
+
+    def _client_left(self, watch: asyncio.Task) -> None:
+        if watch.cancelled():
+            return  # closed
+        watch.exception()  # a failed receive channel counts as a client gone, as its end does
+        self._gone = True
+        if self._waiting is not None and not self._gone_cancel:
+            self._gone_cancel = True
+            self._waiting.cancel()
 
     async def close(self) -> None:
         """Closes the engine iterator (frees the slot) and the disconnect watch; safe to call twice."""
@@ -400,10 +420,6 @@ class Generation:
         with anyio.CancelScope(shield=True):
             if self._watch is not None:
                 self._watch.cancel()
-            if self._next_task is not None:
-                self._next_task.cancel()
-                await asyncio.wait({self._next_task})
-                self._next_task = None
             if self._it is not None and hasattr(self._it, "aclose"):
                 try:
                     await self._it.aclose()
