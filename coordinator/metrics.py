@@ -27,7 +27,9 @@ Exposed names (prometheus_client adds `_total` to counters itself; we give it th
   strata:stage_busy_seconds_total, strata:stage_hidden_wait_seconds_total
   (the time a stage computed steps, and waited for the stage before it: busy fractions and the bubble),
   strata:stage_baton_passes_total (its sockets changing threads: stages/baton.py), and the
-  gauge strata:stage_weight_bytes (its weights as loaded, from its HELLO).
+  gauge strata:stage_weight_bytes (its weights as loaded, from its HELLO); and the coordinator process's own
+  process_cpu_seconds_total, process_resident_memory_bytes and the rest of prometheus_client's process
+  collector (Linux).
 `strata:kv_pool_held_cells` has one series per slot (`slot="0"`...) and one per parked table
 (`slot="parked:<table>"`).
 """
@@ -37,7 +39,7 @@ import logging
 from collections import Counter
 from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -95,6 +97,7 @@ class Metrics:
         self.front_refusals: Counter[str] = Counter()
         self.latency = {"ttft": [0, 0.0], "itl": [0, 0.0], "e2e": [0, 0.0]}  # [count, sum seconds]
         self.registry.register(_LiveCollector(self))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and memory, as vLLM's /metrics has
 
     # ---- recorded by the front, per request ----------------------------------------------------------
     def first_token(self, seconds: float) -> None:

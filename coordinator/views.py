@@ -1,6 +1,7 @@
 """Read-only views of the scheduler for the HTTP front: /metrics JSON, /health, /slots."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ def live_metrics(sched: Scheduler) -> dict:
     return {
         "running": running,
         "waiting": len(sched.waiting),
+        "coordinator_cpu_s": round(time.process_time(), 4),  # this process, every thread (bench serve: per token)
         "kv_pool": {
             "enabled": sched.cfg.engine.pool_on,
             "cells": sched.map.total_cells,

@@ -302,7 +302,9 @@ async def run_level(client: httpx.AsyncClient, cfg: ServeConfig, concurrency: in
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     row = level_stats(concurrency, results, wall)
-    row.update(busy_fractions(before, await stage_time(client), wall))
+    after = await stage_time(client)
+    row.update(busy_fractions(before, after, wall))
+    row["coord_ms_tok"] = coordinator_cpu(before, after, row["output_tokens"])
     return row
 
 
@@ -312,7 +314,7 @@ async def _stage_time_once(client: httpx.AsyncClient) -> dict | None:
         if r.status_code != 200:
             return None
         live = r.json()["live"]
-        return {"stages": live["stages"], "groups": live.get("pipeline_groups")}
+        return {"stages": live["stages"], "groups": live.get("pipeline_groups"), "cpu_s": live.get("coordinator_cpu_s")}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
@@ -353,6 +355,15 @@ def busy_fractions(before: dict | None, after: dict | None, wall_s: float) -> di
     groups = after.get("groups") or len(fractions)
     return {"stage_busy": " ".join(f"{f:.2f}" for f in fractions),
             "bubble": round(1 - sum(fractions) / groups, 3)}
+
+
+def coordinator_cpu(before: dict | None, after: dict | None, tokens: int) -> float | None:
+    """`coord_ms_tok`: the coordinator process's CPU time over the level (every thread: the HTTP front, the
+    scheduler, the link and ZeroMQ's I/O thread) per output token, in ms; None when the server does not report
+    it. It includes the few /metrics reads that settle the counters (`stage_time`)."""
+    if not before or not after or before.get("cpu_s") is None or after.get("cpu_s") is None or tokens <= 0:
+        return None
+    return round((after["cpu_s"] - before["cpu_s"]) * 1000 / tokens, 3)
 
 
 async def appended_turn(client: httpx.AsyncClient, cfg: ServeConfig, rng: random.Random, words_per_token: float,
@@ -419,7 +430,7 @@ async def run_serve(cfg: ServeConfig, concurrency: list[int], requests: int | No
         "config": {"url": cfg.url, "model": cfg.model, "api": cfg.api, "prompt_tokens": cfg.prompt_tokens,
                    "output_tokens": cfg.output_tokens, "seed": cfg.seed, "words_per_token": words_per_token},
         "columns": ["concurrency", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
-                    "out_tok_s", "decode_tok_s", "req_s", "stage_busy", "bubble"],
+                    "out_tok_s", "decode_tok_s", "req_s", "stage_busy", "bubble", "coord_ms_tok"],
         "rows": rows,
         "tables": tables,
         "appended_turn": appended,

@@ -27,6 +27,8 @@ What is reported (workload_stats), from the client's side of HTTP; every request
     stage_busy  a Strata server's stages: each one's share of the makespan spent computing steps, and bubble =
                 1 - their sum / the steps computed at once (their mean when pipelined, their sum in turns:
                 serve.py's busy_fractions; None from a server without Strata's /metrics)
+    coord_ms_tok  a Strata server's coordinator process: its CPU time over the run per output token (ms; every
+                thread of it: the HTTP front, the scheduler, the link, ZeroMQ's I/O thread)
 Percentiles are report.percentile's (linear between closest ranks); a failed request (an HTTP error, an error
 in the stream, no token) is counted and left out of the times and tokens.
 """
@@ -39,7 +41,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .report import percentile, ratio
-from .serve import RequestResult, ServeConfig, busy_fractions, make_client, resolve_model, stage_time, stream_request
+from .serve import (RequestResult, ServeConfig, busy_fractions, coordinator_cpu, make_client, resolve_model, stage_time,
+                    stream_request)
 
 PREFIX_IDS = 8  # prompts differ within their first PREFIX_IDS ids
 
@@ -197,7 +200,7 @@ def workload_stats(run: WorkloadRun, work: list[WorkRequest]) -> dict[str, Any]:
 
 COLUMNS = ["requests", "failed", "short", "prompt_tokens", "output_tokens", "makespan_s", "ttft_p50_ms",
            "ttft_p90_ms", "ttft_p99_ms", "e2e_mean_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "out_tok_s",
-           "stage_busy", "bubble"]
+           "stage_busy", "bubble", "coord_ms_tok"]
 
 
 async def measure_workload(url: str, spec: WorkloadSpec, api_key: str | None = None, model: str | None = None,
@@ -212,7 +215,9 @@ async def measure_workload(url: str, spec: WorkloadSpec, api_key: str | None = N
         before = await stage_time(client)
         run = await run_workload(client, cfg, work)
         row = workload_stats(run, work)
-        row.update(busy_fractions(before, await stage_time(client), row["makespan_s"] or 0.0))
+        after = await stage_time(client)
+        row.update(busy_fractions(before, after, row["makespan_s"] or 0.0))
+        row["coord_ms_tok"] = coordinator_cpu(before, after, row["output_tokens"])
     return {**row, "model": cfg.model}
 
 

@@ -448,3 +448,12 @@ def test_sse_lines_cut_at_cr_and_lf_only_across_reads() -> None:
     lines = [x for x in asyncio.run(read()) if x]
     assert lines == [first, "data: [DONE]", "data: tail"]
     assert json.loads(lines[0][5:])["text"] == "a\u2028b\x85c"
+
+
+def test_coordinator_cpu_per_token_from_the_live_view():
+    from coordinator.bench.serve import coordinator_cpu
+
+    before, after = {"stages": [], "cpu_s": 10.0}, {"stages": [], "cpu_s": 10.5}
+    assert coordinator_cpu(before, after, 250) == 2.0  # 500 ms of CPU over 250 tokens
+    assert coordinator_cpu(before, {"stages": []}, 250) is None  # a server that does not report it
+    assert coordinator_cpu(None, after, 250) is None and coordinator_cpu(before, after, 0) is None

@@ -164,6 +164,12 @@ class _Broken:
         raise RuntimeError("engine restarting")
 
 
+def test_the_coordinator_process_cpu_is_exposed(served):
+    text = httpx.get(served.url + "/metrics").text
+    cpu = samples(text)[("process_cpu_seconds_total", ())]
+    assert cpu > 0  # prometheus_client's process collector over this process (Linux)
+
+
 def test_a_failing_live_view_leaves_the_front_counters():
     m = Metrics(_Broken(), "m")
     m.finished("stop", 0.5, 10, 0, 3)

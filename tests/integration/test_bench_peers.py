@@ -37,6 +37,7 @@ def test_peers_mixed_workload_on_two_stages_reports_each_stages_busy_share(tmp_p
         busy = [float(f) for f in row["stage_busy"].split()]
         assert len(busy) == 2 and all(0 < f <= 1.05 for f in busy), row
         assert row["bubble"] == pytest.approx(1 - sum(busy) / groups, abs=0.01)
+        assert 0 < row["coord_ms_tok"] < 1000, row  # the coordinator's CPU per output token, from its live view
     assert (turns["peer"], piped["peer"]) == ("strata-2", "strata-2p")
     assert "stage_busy" in result["columns"]
     assert any("strata-2: 2 CPU stage(s), engine.pipeline auto, engine.threads 2 each" in n for n in result["notes"])
