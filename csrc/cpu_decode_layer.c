@@ -156,3 +156,28 @@ int strata_decode_layer(const strata_layer *L, const strata_step *S, void *k_poo
     for (int64_t i = 0; i < rows * hidden; i++) out[i] += mixed[i];
     return 0;
 }
+
+/* A decode step's layers in one call (stages/decode_layer.py rule 5): layer i runs as strata_decode_layer(layers[i],
+   steps[i], pools[4 i], pools[4 i + 1], pools[4 i + 2], pools[4 i + 3], in, out) (k, v, k_scale, v_scale), `in`
+   being x for the first layer and `out` after it. Returns 0, or what the first layer that failed returned (the
+   layers before it have run). */
+int strata_decode_layers(const strata_layer *const *layers, const strata_step *const *steps, void *const *pools, int n,
+                         const float *x, float *out) {
+    if (n < 1) return -1;
+    for (int i = 0; i < n; i++) {
+        const int rc = strata_decode_layer(layers[i], steps[i], pools[4 * i], pools[4 * i + 1], (float *)pools[4 * i + 2],
+                                           (float *)pools[4 * i + 3], i ? out : x, out);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
+/* The last stage's final norm and head over a decode step's rows (stages/decode_layer.py rule 6): logits [rows,
+   head.n] = (rms_norm(x) * norm) times the head, by the functions and arguments of the Python path. Scratch holds
+   rows * hidden floats. Returns 0, -1 on arguments it refuses, or what the product returned. */
+int strata_decode_head(const float *norm, const strata_weight *head, const float *x, int64_t rows, int hidden,
+                       float eps, float *scratch, float *logits, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || hidden < 1 || head->k != hidden || threads < 1) return -1;
+    const int rc = strata_rms_norm(x, NULL, NULL, norm, scratch, rows, hidden, eps, threads);
+    return rc != 0 ? rc : product(head, scratch, rows, logits, threads);
+}

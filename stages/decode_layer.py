@@ -32,6 +32,16 @@ Rules:
    seeded layer (biases, q/k norms, byte rows, two entries over scattered chunks) against a float64 torch
    reference, and its int8 K/V rows and scales against quantize_int8 of the float32 ones.
    `STRATA_DECODE_LAYER=0` (or `STRATA_CPU_KERNELS=0`) turns it off.
+5. When every layer of the stage takes the call (rule 1) and the step's rows fit every one's kernels, the layers
+   run in one call (`Step.run_all`, `strata_decode_layers`: the same calls in layer order, each layer's output the
+   next one's input, so the values are those of one call per layer, bit for bit). Between two layers a decode
+   step streams a layer's weights (megabytes) past the caches, and the Python, ctypes and torch code of the next
+   call then runs from memory: an op that takes 16-36 us warm took 215-260 us after 80 MB streamed (docs/
+   BENCHMARKS.md, "A step's layers in one call"). One call touches that code once a step instead of once a layer.
+6. On the last stage, a decode step whose rows all sample runs the final norm and the head in one call too
+   (`Step.logits`, `strata_decode_head`: the layer ops' RMSNorm, then the head's product by its packed panels or
+   byte rows, as `linear` multiplies it for that many rows; the same logits bit for bit), when the head is in one
+   of rule 1's forms and the rows fit its kernel (`Head.max_rows`).
 """
 from __future__ import annotations
 
@@ -77,6 +87,8 @@ class _Step(ctypes.Structure):
 
 
 _SIGNATURES = {"strata_decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _P, _P, _P, _P, _P, _P],
+               "strata_decode_layers": [_P, _P, _P, _I, _P, _P],
+               "strata_decode_head": [_P, ctypes.POINTER(_Weight), _P, _L, _I, _F, _P, _P, _I],
                "strata_decode_layer_scratch": [_L, _L, _L, _L, _L]}
 _WEIGHTS = (("qkv", "qkv"), ("o", "self_attn.o_proj"), ("gate_up", "gate_up"), ("down", "mlp.down_proj"))
 
@@ -179,6 +191,21 @@ class Layer:
         return cls(_Layer(*ptrs, **weights), keep, max_rows)
 
 
+class Head:
+    """Rule 6: the last stage's final norm and head weight, or `Head.of` gives None where the Python path runs."""
+
+    def __init__(self, norm: torch.Tensor, struct: _Weight, keep: list[torch.Tensor], max_rows: int) -> None:
+        self.norm, self.struct, self.keep, self.max_rows = norm, struct, keep, max_rows
+
+    @classmethod
+    def of(cls, norm: object, head: object, hidden: int) -> "Head | None":
+        form = _weight(head)
+        if form is None or not _f32(norm, (hidden,)) or form[0].k != hidden:
+            return None
+        struct, keep = form
+        return cls(norm, struct, keep, byte_rows.MAX_ROWS if struct.bytes else packed_rows.MAX_ROWS)
+
+
 class Step:
     """Rule 3: a step's fixed arguments per sliding window; `Step.of` gives None where rule 1 keeps the Python
     path for the whole step."""
@@ -225,19 +252,49 @@ class Step:
 
     def run(self, layer: Layer, kv_layer: int, window: int | None, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for input `x [rows, hidden]` float32, in `self.out` (rule 3)."""
-        if x.shape != (self.rows, self.hidden) or x.dtype != torch.float32:
-            raise ValueError(f"a decode layer takes float32 rows [{self.rows}, {self.hidden}], got {x.dtype} "
-                             f"{list(x.shape)}")  # the C code reads exactly that many values
-        if not x.is_contiguous():
-            x = x.contiguous()
-        kv = self.kv
-        scales = (kv.k_scale[kv_layer].data_ptr(), kv.v_scale[kv_layer].data_ptr()) if kv.quantized else (None, None)
+        x = self._input(x)
         rc = self.fns["strata_decode_layer"](ctypes.byref(layer.struct), ctypes.byref(self._struct(layer, window)),
-                                             kv.k[kv_layer].data_ptr(), kv.v[kv_layer].data_ptr(), *scales,
-                                             x.data_ptr(), self.out.data_ptr())
+                                             *self._pools(kv_layer), x.data_ptr(), self.out.data_ptr())
         if rc != 0:
             raise ValueError(f"strata_decode_layer refused a step of {self.rows} rows ({rc})")
         return self.out
+
+    def run_all(self, layers: list[Layer], kv_layers: list[int], windows: list[int | None],
+                x: torch.Tensor) -> torch.Tensor:
+        """Rule 5: `layers` one after another in one call (layer i on K/V layer kv_layers[i] with window
+        windows[i]), the first on `x`; the last one's output in `self.out`."""
+        x = self._input(x)
+        n = len(layers)
+        structs = (_P * n)(*[ctypes.addressof(layer.struct) for layer in layers])
+        steps = (_P * n)(*[ctypes.addressof(self._struct(layer, w)) for layer, w in zip(layers, windows)])
+        pools = (_P * (4 * n))(*[p for kv_layer in kv_layers for p in self._pools(kv_layer)])
+        rc = self.fns["strata_decode_layers"](structs, steps, pools, n, x.data_ptr(), self.out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"strata_decode_layers refused a step of {self.rows} rows over {n} layers ({rc})")
+        return self.out
+
+    def logits(self, head: Head, x: torch.Tensor) -> torch.Tensor:
+        """Rule 6: float32 logits [rows, vocab] of the step's rows `x` (the last layer's output)."""
+        x = self._input(x)
+        out = torch.empty(self.rows, head.struct.n, dtype=torch.float32)
+        scratch = torch.empty(self.rows, self.hidden, dtype=torch.float32)
+        rc = self.fns["strata_decode_head"](head.norm.data_ptr(), ctypes.byref(head.struct), x.data_ptr(), self.rows,
+                                            self.hidden, self.eps, scratch.data_ptr(), out.data_ptr(), self.threads)
+        if rc != 0:
+            raise ValueError(f"strata_decode_head refused a step of {self.rows} rows ({rc})")
+        return out
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape != (self.rows, self.hidden) or x.dtype != torch.float32:
+            raise ValueError(f"a decode layer takes float32 rows [{self.rows}, {self.hidden}], got {x.dtype} "
+                             f"{list(x.shape)}")  # the C code reads exactly that many values
+        return x if x.is_contiguous() else x.contiguous()
+
+    def _pools(self, kv_layer: int) -> tuple[int, int, int | None, int | None]:
+        """K/V layer `kv_layer`'s arrays where they are now (rule 3): k, v, and for an int8 pool its scales."""
+        kv = self.kv
+        scales = (kv.k_scale[kv_layer].data_ptr(), kv.v_scale[kv_layer].data_ptr()) if kv.quantized else (None, None)
+        return kv.k[kv_layer].data_ptr(), kv.v[kv_layer].data_ptr(), *scales
 
 
 def _self_check(fns: dict[str, object]) -> None:
@@ -337,3 +394,12 @@ def _self_check(fns: dict[str, object]) -> None:
     if (got8 - got).abs().max() > 0.05 * got.abs().max():
         raise KernelRefused(f"strata_decode_layer over int8 K/V disagrees with float32 K/V by "
                             f"{(got8 - got).abs().max().item():.2e}")
+    # Rule 5: both layers in one call are the two calls one after the other, bit for bit.
+    one_by_one = step.run(split, 0, None, step.run(layer, 0, None, x).clone()).clone()
+    if not torch.equal(step.run_all([layer, split], [0, 0], [None, None], x), one_by_one):
+        raise KernelRefused("strata_decode_layers disagrees with strata_decode_layer called layer by layer")
+    # Rule 6: the final norm and a head in one call are the layer ops' norm and the head's own product, bit for bit.
+    head = Head.of(w["input_layernorm.weight"], w["qkv.weight"], hidden)
+    normed = cpu_ops.rms_norm(x, w["input_layernorm.weight"], eps)
+    if head is None or normed is None or not torch.equal(step.logits(head, x), w["qkv.weight"](normed[1])):
+        raise KernelRefused("strata_decode_head disagrees with the norm and the product called one by one")

@@ -247,6 +247,7 @@ class StageModel:
         self._rope_sin: torch.Tensor | None = None
         self.cpu_ops = self.device.type == "cpu" and self.dtype == torch.float32  # stages/cpu_ops.py, its rule 1
         self._decode_layers: list[decode_layer.Layer | None] | None = None  # stages/decode_layer.py, made at first use
+        self._decode_head: decode_layer.Head | None | bool = False  # its rule 6, made at first use (False: not yet)
         self.embed = w.get("model.embed_tokens.weight") if self.is_first else None
         self.norm = w.get("model.norm.weight")
         if self.spec.gated and self.norm is not None:
@@ -426,7 +427,10 @@ class StageModel:
         if state is not None and self.num_linear_layers:
             state.begin(batch)
         fused = self._decode_step(batch, kv, cos, sin)
-        for local, layer in enumerate(self.layers):
+        every = fused and all(self._decode_layers) and fused.rows <= min(one.max_rows for one in self._decode_layers)
+        if every:  # stages/decode_layer.py rule 5: the stage's layers in one call
+            h = fused.run_all(self._decode_layers, self.kv_layers, list(self.sliding_windows), h)
+        for local, layer in enumerate(self.layers if not every else ()):
             one = fused and self._decode_layers[local]
             if one and fused.rows <= one.max_rows:
                 h = fused.run(one, self.kv_layers[local], self.sliding_windows[local], h)
@@ -438,6 +442,9 @@ class StageModel:
             return h
         if not logits_all and not batch.sample_slots:  # only pieces that sample nothing: no head to run
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        head = fused and self.decode_head()
+        if head and fused.rows <= head.max_rows and (logits_all or len(batch.sample_slots) == batch.num_tokens):
+            return fused.logits(head, h)  # stages/decode_layer.py rule 6
         rows = h if logits_all or len(batch.sample_slots) == batch.num_tokens else h[batch.sample_rows]
         return linear(self._add_norm(rows, None, self.norm)[1], self.lm_head).float()
 
@@ -449,6 +456,12 @@ class StageModel:
                                    decode_layer.Layer.of(w, s.hidden_size, s.head_dim)
                                    for i, w in enumerate(self.layers)]
         return self._decode_layers
+
+    def decode_head(self) -> decode_layer.Head | None:
+        """stages/decode_layer.py's Head of the last stage (None: the Python path), found once."""
+        if self._decode_head is False:
+            self._decode_head = decode_layer.Head.of(self.norm, self.lm_head, self.spec.hidden_size)
+        return self._decode_head
 
     def _decode_step(self, batch: StepBatch, kv: KVCache | StepView, cos: torch.Tensor,
                      sin: torch.Tensor) -> decode_layer.Step | None:

@@ -48,17 +48,29 @@ def _arrays(kv: KVCache) -> list[torch.Tensor]:
 
 
 class Calls:
-    """Counts the layers stages/decode_layer.py ran."""
+    """Counts the layers stages/decode_layer.py ran (`n`, one by one or in one call), its calls over all of a
+    step's layers (`whole`, rule 5) and its final norm and head calls (`heads`, rule 6)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.n = 0
-        run = decode_layer.Step.run
+        self.n = self.whole = self.heads = 0
+        run, run_all, logits = decode_layer.Step.run, decode_layer.Step.run_all, decode_layer.Step.logits
 
         def counted(step, *args):
             self.n += 1
             return run(step, *args)
 
+        def counted_all(step, layers, *args):
+            self.n += len(layers)
+            self.whole += 1
+            return run_all(step, layers, *args)
+
+        def counted_head(step, *args):
+            self.heads += 1
+            return logits(step, *args)
+
         monkeypatch.setattr(decode_layer.Step, "run", counted)
+        monkeypatch.setattr(decode_layer.Step, "run_all", counted_all)
+        monkeypatch.setattr(decode_layer.Step, "logits", counted_head)
 
 
 def _steps(lens: list[int], decodes: list[list[int]]) -> list[list[list[int]]]:
@@ -162,6 +174,7 @@ def _same_steps(ckpt, monkeypatch, kv_dtype, int8: bool = False) -> None:
         for a, b in zip(_arrays(pools[0]), _arrays(pools[1])):
             assert torch.equal(a, b)
     assert calls.n == 3 * len(decodes)
+    assert calls.whole == calls.heads == len(decodes)  # rules 5 and 6: every decode step, layers and head in C
 
 
 @needs_layer
