@@ -510,6 +510,27 @@ int strata_byte_dequant(const uint8_t *q, int bits, const float *s, const float 
 #endif
 }
 
+/* Rows ids[0 .. nids) of an [n, kk] weight, each dequantized by strata_byte_dequant (the same values), into out
+   [nids, kk] (an embedding's lookup, stages/byte_rows.py ByteLinear.rows): no gathered copy of the rows' bytes,
+   scales and offsets. Returns 0, -1 on arguments it refuses (an id outside [0, n): nothing written), or what
+   strata_byte_dequant returned. */
+int strata_byte_dequant_rows(const uint8_t *q, int bits, const float *s, const float *b, float zero, const int64_t *ids,
+                             int64_t nids, int64_t n, int64_t kk, int64_t group, void *out, int bf16, int threads) {
+    if (nids < 1 || n < 1 || kk < 1 || (bits != 8 && bits != 4) || !group_ok(kk, group, bits) || threads < 1)
+        return -1;
+    for (int64_t r = 0; r < nids; r++)
+        if (ids[r] < 0 || ids[r] >= n) return -1;
+    const int64_t groups = kk / group, row_bytes = kk * bits / 8;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (nids > 1) reduction(| : failed)
+    for (int64_t r = 0; r < nids; r++) {
+        const int64_t i = ids[r];
+        failed |= strata_byte_dequant(q + i * row_bytes, bits, s + i * groups, b ? b + i * groups : NULL, zero, 1, kk,
+                                      group, (char *)out + r * kk * (bf16 ? 2 : 4), bf16, 1) != 0;
+    }
+    return failed ? -2 : 0;
+}
+
 /* One int4 plane in the layout torch's CPU packer writes (stages/quant_linear.py checks it: `cpu_block`), added
    into `acc`, the weight transposed: float32 [k, n] (row k holds the n outputs' values at k). `packed` is bytes
    [rows / block][k][block / 2], `block` the packer's row block (64 where its kernel is built for AVX-512, 32 for

@@ -77,6 +77,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"strata_byte_rows": [_P, _L, _L, _P, _I, _P, _P, _F, _L, _L, _P, _P, _I],
                "strata_byte_rows_q8": [_P, _L, _L, _P, _I, _P, _P, _F, _L, _L, _P, _P, _I], "strata_byte_rows_isa": [],
                "strata_byte_dequant": [_P, _I, _P, _P, _F, _L, _L, _L, _P, _I, _I],
+               "strata_byte_dequant_rows": [_P, _I, _P, _P, _F, _P, _L, _L, _L, _L, _P, _I, _I],
                "strata_int4pack_dequant_t": [_P, _P, _L, _L, _L, _L, _L, _I, _P, _P, _I]}
 
 
@@ -219,8 +220,22 @@ class ByteLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (1-D) of the weight, `[len(ids), K]` in the compute dtype, as `dequantize` makes them (an
-        embedding table's lookup: stages/quant_linear.py QuantEmbedding)."""
-        return self._dequantize(self.q[ids], self.scale[ids], None if self.offset is None else self.offset[ids])
+        embedding table's lookup: stages/quant_linear.py QuantEmbedding), read in place by the library."""
+        n, k = self.shape
+        ids = ids.to(torch.int64).contiguous()
+        direct = self.dtype == torch.bfloat16
+        out = torch.empty(len(ids), k, dtype=torch.bfloat16 if direct else torch.float32)
+        if not len(ids):
+            return out.to(self.dtype)
+        rc = _library()[0]["strata_byte_dequant_rows"](
+            self.q.data_ptr(), self.bits, self.scale.data_ptr(), None if self.offset is None else self.offset.data_ptr(),
+            self.zero, ids.data_ptr(), len(ids), n, k, self.group, out.data_ptr(), int(direct),
+            torch.get_num_threads() if len(ids) > 1 else 1)
+        if rc == -1:
+            raise IndexError(f"rows {ids.min().item()}..{ids.max().item()} of a weight of {n} rows")
+        if rc != 0:
+            raise ValueError(f"strata_byte_dequant_rows refused {len(ids)} rows of a [{n}, {k}] weight ({rc})")
+        return out.to(self.dtype)
 
     def _dequantize(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
         n, k = q.shape[0], self.shape[1]
@@ -339,6 +354,13 @@ def _self_check(fns: dict[str, object]) -> None:
                     raise KernelRefused("strata_byte_dequant refused a weight")
                 if not torch.equal(out, w.float().to(dtype)):  # s * q + b exact in float64, then one rounding
                     raise KernelRefused(f"strata_byte_dequant disagrees with torch in {dtype} ({bits} bits)")
+                ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+                picked = torch.empty(len(ids), k, dtype=dtype)
+                if (fns["strata_byte_dequant_rows"](q.data_ptr(), bits, s.data_ptr(), None if b is None else b.data_ptr(),
+                                                    zero, ids.data_ptr(), len(ids), n, k, group, picked.data_ptr(),
+                                                    int(dtype == torch.bfloat16), 2) != 0
+                        or not torch.equal(picked, out[ids])):
+                    raise KernelRefused(f"strata_byte_dequant_rows disagrees with strata_byte_dequant in {dtype}")
             for rows in range(1, MAX_ROWS + 1):
                 x = torch.randn(rows, k, generator=g)
                 got = _multiply(fns, x, q, bits, s, b, group, bias, zero=zero).double()

@@ -178,6 +178,21 @@ def test_the_dequantized_weight_is_one_rounding_of_the_exact_one() -> None:
 
 
 @needs_kernel
+def test_rows_are_read_in_place_and_an_id_outside_the_table_is_refused() -> None:
+    """An embedding's lookup (`ByteLinear.rows`): the rows of `dequantize`, in any order and repeated, for bytes and
+    nibble pairs in float32 and bfloat16; an id outside the table raises IndexError."""
+    for kind in ("Q8_0", "Q4_K", "Q6_K"):
+        planes, _ = weights(kind)
+        for dtype in (torch.float32, torch.bfloat16):
+            w = ByteLinear(planes, dtype)
+            ids = torch.tensor([3, 0, w.shape[0] - 1, 3])
+            assert torch.equal(w.rows(ids), w.dequantize()[ids]), (kind, dtype)
+            for bad in (w.shape[0], -1):
+                with pytest.raises(IndexError):
+                    w.rows(torch.tensor([0, bad]))
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q8_0"])
 def test_torch_packed_planes_are_dequantized_as_torch_does(monkeypatch, kind: str) -> None:
     """Rule 6: a QuantLinear's weight dequantized by the library (transposed) is torch's code's, bit for bit, for one
