@@ -168,10 +168,9 @@ class StageLink:
         connect_with(sock, self._curve)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(p.endpoint)
-        holder: list[LoopSocket] = []
-        p.sock = LoopSocket(sock, lambda frames: self._read(p, holder[0], frames))
-        holder.append(p.sock)
-        p.mon = LoopSocket(mon, lambda frames: self._watch(p, holder[0], frames))
+        # a socket closed when it is replaced calls nothing more (loop_socket rule 4): no stale message or event
+        p.sock = LoopSocket(sock, lambda frames: self._read(p, frames))
+        p.mon = LoopSocket(mon, lambda frames: self._watch(p, frames))
         self._send_hello(p)
 
     def _close_socket(self, p: _Peer, linger: int = 0) -> None:
@@ -193,9 +192,7 @@ class StageLink:
         p.sock.send(frames)  # a failure surfaces as the stage going down
 
     # ---- receiving -----------------------------------------------------------------------------------
-    def _read(self, p: _Peer, sock: LoopSocket, frames: list) -> None:
-        if p.sock is not sock:
-            return  # a message of a socket replaced since
+    def _read(self, p: _Peer, frames: list) -> None:
         try:
             kind, header, _ = decode(frames)
         except WireError as err:
@@ -293,10 +290,9 @@ class StageLink:
         if p.state == "joining":
             p.state = "up"
 
-    def _watch(self, p: _Peer, sock: LoopSocket, frames: list) -> None:
-        """A monitor event of `sock`: a lost connection marks the stage down (once, for the socket it is on)."""
-        happened = parse_monitor_message([bytes(f) for f in frames])
-        if happened["event"] == zmq.EVENT_DISCONNECTED and p.sock is sock and p.state != "down":
+    def _watch(self, p: _Peer, frames: list) -> None:
+        """A monitor event of the stage's socket: a lost connection marks the stage down."""
+        if parse_monitor_message([bytes(f) for f in frames])["event"] == zmq.EVENT_DISCONNECTED and p.state != "down":
             self._mark_down(p, "connection lost")  # closes this socket and opens the next
 
     # ---- heartbeat and failure -----------------------------------------------------------------------

@@ -89,22 +89,20 @@ class LoopSocket:
 
     def _handle(self) -> None:
         self._scheduled = False
-        while not self.closed:
-            while self._queue:
-                try:
-                    self.sock.send_multipart(self._queue[0], zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._queue.popleft()
-            while not self.closed:  # until zmq.Again, after which the next message signals the descriptor anew
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                try:
-                    self._on_message(frames)
-                except Exception:  # rule 2: one bad message does not stop the next
-                    log.exception("a message handler failed")
-            # with sends waiting, the receive may have taken the signal that the socket can take them (rule 3)
-            if self.closed or not self._queue or not self._events() & (_IN | _OUT):
-                return
+        while self._queue and not self.closed:
+            try:
+                self.sock.send_multipart(self._queue[0], zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._queue.popleft()
+        while not self.closed:  # until zmq.Again, after which the next message signals the descriptor anew
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                self._on_message(frames)
+            except Exception:  # rule 2: one bad message does not stop the next
+                log.exception("a message handler failed")
+        if self._queue:  # the receive may have taken the signal that the socket can take them now (rule 3)
+            self._again()
