@@ -2,7 +2,7 @@
 
 zmq.asyncio gives every message a future and a loop callback, and reads the socket's events through a dozen enum
 operations per message: on a 2-core box the coordinator spent about a quarter of its CPU time per streamed token
-there, time the stages' threads lose (docs/BENCHMARKS.md, "The link's sockets without zmq.asyncio"). Here a
+there, time the stages' threads lose (docs/BENCHMARKS.md, "The coordinator's CPU per token"). Here a
 plain socket's file descriptor is watched by the loop itself and every message that has arrived is handed to
 one callback, in order.
 

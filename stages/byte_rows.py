@@ -216,7 +216,16 @@ class ByteLinear:
     def dequantize(self) -> torch.Tensor:
         """The weight `[N, K]` in the compute dtype (rule 3): s * q + b by one fused multiply-add in float32, rounded
         once to a 16-bit dtype, in one pass of the library (bfloat16 or float32; float16 from float32)."""
-        return self._dequantize(self.q, self.scale, self.offset)
+        n, k = self.shape
+        direct = self.dtype == torch.bfloat16
+        out = torch.empty(n, k, dtype=torch.bfloat16 if direct else torch.float32)
+        rc = _library()[0]["strata_byte_dequant"](self.q.data_ptr(), self.bits, self.scale.data_ptr(),
+                                                  None if self.offset is None else self.offset.data_ptr(), self.zero,
+                                                  n, k, self.group, out.data_ptr(), int(direct),
+                                                  torch.get_num_threads() if n > 1 else 1)
+        if rc != 0:
+            raise ValueError(f"strata_byte_dequant refused a [{n}, {k}] weight of {self.bits}-bit rows ({rc})")
+        return out.to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (1-D) of the weight, `[len(ids), K]` in the compute dtype, as `dequantize` makes them (an
@@ -235,18 +244,6 @@ class ByteLinear:
             raise IndexError(f"rows {ids.min().item()}..{ids.max().item()} of a weight of {n} rows")
         if rc != 0:
             raise ValueError(f"strata_byte_dequant_rows refused {len(ids)} rows of a [{n}, {k}] weight ({rc})")
-        return out.to(self.dtype)
-
-    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-        n, k = q.shape[0], self.shape[1]
-        direct = self.dtype == torch.bfloat16
-        out = torch.empty(n, k, dtype=torch.bfloat16 if direct else torch.float32)
-        rc = _library()[0]["strata_byte_dequant"](q.data_ptr(), self.bits, scale.data_ptr(),
-                                                  None if offset is None else offset.data_ptr(), self.zero, n, k,
-                                                  self.group, out.data_ptr(), int(direct),
-                                                  torch.get_num_threads() if n > 1 else 1)
-        if rc != 0:
-            raise ValueError(f"strata_byte_dequant refused a [{n}, {k}] weight of {self.bits}-bit rows ({rc})")
         return out.to(self.dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -430,12 +430,13 @@ class StageModel:
         every = fused and all(self._decode_layers) and fused.rows <= min(one.max_rows for one in self._decode_layers)
         if every:  # stages/decode_layer.py rule 5: the stage's layers in one call
             h = fused.run_all(self._decode_layers, self.kv_layers, list(self.sliding_windows), h)
-        for local, layer in enumerate(self.layers if not every else ()):
-            one = fused and self._decode_layers[local]
-            if one and fused.rows <= one.max_rows:
-                h = fused.run(one, self.kv_layers[local], self.sliding_windows[local], h)
-            else:
-                h = self._layer(local, layer, h, cos, sin, batch, kv, state)
+        else:
+            for local, layer in enumerate(self.layers):
+                one = fused and self._decode_layers[local]
+                if one and fused.rows <= one.max_rows:
+                    h = fused.run(one, self.kv_layers[local], self.sliding_windows[local], h)
+                else:
+                    h = self._layer(local, layer, h, cos, sin, batch, kv, state)
         if state is not None and self.num_linear_layers:
             state.commit(batch)
         if not self.is_last:

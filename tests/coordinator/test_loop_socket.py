@@ -68,6 +68,7 @@ def test_a_full_socket_queues_its_sends_and_sends_them_in_order(tmp_path):
     ctx, peer, raw = _pair(tmp_path, hwm=2)
 
     async def main() -> tuple[list[int], int]:
+        deadline = time.monotonic() + 10
         ours = LoopSocket(raw, lambda frames: None)
         _identity(peer, ours)
         for i in range(300):  # the peer reads nothing yet: the socket's queues fill, the rest wait in order
@@ -83,7 +84,6 @@ def test_a_full_socket_queues_its_sends_and_sends_them_in_order(tmp_path):
         ours.close()
         return got, queued
 
-    deadline = time.monotonic() + 10
     try:
         got, queued = asyncio.run(main())
     finally:
